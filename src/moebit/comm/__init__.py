@@ -1,0 +1,1 @@
+"""Compressed collectives over any torch.distributed process group."""

@@ -1,0 +1,103 @@
+"""Bytes on the wire and time per collective, counted by this process.
+
+Every collective that moebit issues records what it put on and took off the
+network, so training metrics and benchmarks can show the saving of compression
+without packet capture. Counts are the algorithmic volume of the collective
+(a ring allreduce of n bytes sends 2·(W-1)/W·n), which is what gloo and NCCL
+move for large messages.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """A snapshot: totals plus a per-operation breakdown."""
+
+    ops: dict[str, OpStats] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(o.bytes_sent for o in self.ops.values())
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(o.bytes_recv for o in self.ops.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(o.calls for o in self.ops.values())
+
+    def minus(self, earlier: CommStats) -> CommStats:
+        """What happened between ``earlier`` and this snapshot."""
+        out: dict[str, OpStats] = {}
+        for name, o in self.ops.items():
+            e = earlier.ops.get(name, OpStats())
+            out[name] = OpStats(
+                o.calls - e.calls,
+                o.bytes_sent - e.bytes_sent,
+                o.bytes_recv - e.bytes_recv,
+                o.seconds - e.seconds,
+            )
+        return CommStats(out)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {k: vars(v).copy() for k, v in self.ops.items()}
+
+
+_lock = threading.Lock()
+_ops: dict[str, OpStats] = {}
+
+
+def record(op: str, bytes_sent: int, bytes_recv: int, seconds: float = 0.0) -> None:
+    """Add one collective's traffic under the name ``op``."""
+    with _lock:
+        s = _ops.setdefault(op, OpStats())
+        s.calls += 1
+        s.bytes_sent += int(bytes_sent)
+        s.bytes_recv += int(bytes_recv)
+        s.seconds += float(seconds)
+
+
+def add_time(op: str, seconds: float) -> None:
+    """Add time to ``op`` without counting a call (for phases such as packing)."""
+    with _lock:
+        _ops.setdefault(op, OpStats()).seconds += float(seconds)
+
+
+@contextmanager
+def timed(op: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add_time(op, time.perf_counter() - t0)
+
+
+def snapshot() -> CommStats:
+    with _lock:
+        return CommStats({k: OpStats(**vars(v)) for k, v in _ops.items()})
+
+
+def reset() -> None:
+    with _lock:
+        _ops.clear()
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends (and receives) in a ring allreduce of ``nbytes``."""
+    return 0 if world <= 1 else (2 * (world - 1) * nbytes) // world

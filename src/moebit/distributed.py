@@ -1,0 +1,153 @@
+"""Process-group setup from torchrun's environment, and the few collectives every part shares.
+
+Ranks are launched by ``torch.distributed.run`` (``moebit train --nproc N`` wraps it),
+so everything here reads the standard ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` variables.
+A single process without those variables runs as world size 1 with no process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moebit.comm import stats
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when running without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if requested != "cpu":
+        raise ValueError(f"unknown device {requested!r}: expected auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+    """Join the process group torchrun set up (or run alone when there is none).
+
+    The collective timeout is what turns a dead peer into an error instead of a hang.
+    """
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        dev = pick_device(device, local)
+        return DistInfo(rank, world, local, dev, dist.get_backend())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return DistInfo(0, 1, 0, dev, None)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = backend_for(dev)
+    dist.init_process_group(
+        backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+    )
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev, backend)
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def all_gather_flat(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """Gather equal-sized 1-D tensors from every rank into ``out``, rank-major.
+
+    torch 2.13 deprecates ``all_gather_into_tensor`` for ``all_gather_single``, which older
+    releases lack: the choice lives here only.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def allreduce_mean_(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = 64 << 20,
+    op_name: str = "allreduce",
+) -> None:
+    """Average tensors in place over ``group`` with few large allreduces.
+
+    Tensors are flattened into buckets of about ``bucket_bytes`` per dtype: each
+    collective pays a network round trip, so one per parameter would be slow.
+    Gloo has no ReduceOp.AVG, so this sums and divides.
+    """
+    w = world_size(group)
+    if w == 1:
+        return
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        t0 = time.perf_counter()
+        dist.all_reduce(flat, group=group)
+        nbytes = flat.numel() * flat.element_size()
+        moved = stats.ring_allreduce_bytes(nbytes, w)
+        stats.record(op_name, moved, moved, time.perf_counter() - t0)
+        flat.div_(w)
+        offset = 0
+        for t in bucket:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    by_key: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        lists = by_key.setdefault(key, [[]])
+        nbytes = t.numel() * t.element_size()
+        if lists[-1] and sizes.get(key, 0) + nbytes > bucket_bytes:
+            lists.append([])
+            sizes[key] = 0
+        lists[-1].append(t)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [b for lists in by_key.values() for b in lists if b]
+
+
+def broadcast_params_(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank start from rank ``src``'s parameters and buffers."""
+    if world_size() == 1:
+        return
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.data, src=src)

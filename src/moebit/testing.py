@@ -1,0 +1,140 @@
+"""Run a function on N real gloo ranks in spawned processes, with a hard timeout.
+
+Used by the test suite (and usable by anyone testing code built on moebit): a hang
+fails after ``timeout`` seconds instead of blocking, and a failing rank's traceback
+is re-raised in the caller. Rendezvous goes through a ``file://`` store in a fresh
+temporary folder, so concurrent runs never collide on a port.
+
+    def body(rank, world, x):
+        ...
+        return result            # any picklable value; tensors are fine
+
+    results = run_on_ranks(body, world=2, args=(3,), timeout=60)
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class RankFailed(RuntimeError):
+    """A rank raised: the message holds its traceback."""
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    init_file: str,
+    args: Sequence[Any],
+    env: dict[str, str],
+    out: Any,
+    pg_timeout: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(env.get("MOEBIT_TEST_THREADS", "1")))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - the traceback is the product here
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results by rank.
+
+    ``fn`` must be importable by name (defined at module level). Raises ``RankFailed``
+    with the first failing rank's traceback, or ``TimeoutError`` if the ranks have not
+    all finished within ``timeout`` seconds (all of them are then killed).
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    results: dict[int, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="moebit-ranks-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world, init_file, tuple(args), dict(env or {}), out, timeout),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{world - len(results)} of {world} ranks did not finish within "
+                        f"{timeout:.0f}s (finished: {sorted(results)})"
+                    )
+                try:
+                    rank, ok, payload = out.get(timeout=min(left, 0.5))
+                except queue.Empty:
+                    dead = [
+                        r for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)
+                    ]
+                    if dead:
+                        # A rank died without reporting (killed, segfault): give the queue a
+                        # moment in case its message is in flight, then fail.
+                        try:
+                            rank, ok, payload = out.get(timeout=1.0)
+                        except queue.Empty:
+                            raise RankFailed(
+                                f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                "without a result"
+                            ) from None
+                    else:
+                        continue
+                if not ok:
+                    raise RankFailed(f"rank {rank} failed:\n{payload}")
+                results[rank] = pickle.loads(payload)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+    return [results[r] for r in range(world)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
