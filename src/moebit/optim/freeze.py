@@ -1,0 +1,167 @@
+"""When to freeze Adam's variance: the ``freeze_step="auto"`` rule of 1-bit Adam.
+
+1-bit Adam may only stop exchanging exact gradients once its preconditioner
+sqrt(v̂) has stopped moving: after the freeze v̂ is never updated again, so freezing
+while it still drifts bakes a wrong per-coordinate step size into the rest of the run.
+DeepSpeed leaves the choice to the user (a step count, "15-25% of the run"), which needs
+the run length in advance and is wrong for a resumed or extended run. This rule watches
+the preconditioner itself.
+
+The rule. Every ``window`` steps (after ``min_steps``) compare the bias-corrected
+preconditioner with its snapshot from one window earlier:
+
+    drift = Σ |sqrt(v̂_t) - sqrt(v̂_{t-window})|  /  Σ sqrt(v̂_t)
+
+and freeze once ``drift < threshold`` on ``patience`` consecutive checks (or at
+``max_steps`` if that comes first). Why these choices:
+
+- sqrt(v̂) is what divides the update, so its relative change is the relative change of
+  the per-coordinate step size. The L1 sum weights every coordinate by its own scale;
+  an L2 norm of v (squared gradients) would be decided by the few coordinates with the
+  largest gradients (embeddings of frequent tokens, biases).
+- v̂ is an EMA with time constant 1/(1-β2) (1000 steps for β2=0.999). While t is small
+  it is the plain mean of all past g², so a window moves it by about (window/t)·|1-r|/2,
+  r being the ratio of recent to past g²: the rule freezes early when gradient scale is
+  steady (r≈1) and waits up to about window/(2·threshold) steps while gradients still
+  shrink or grow (r far from 1). Its noise floor with steady gradients is about
+  sqrt(2·window)/(2t), far below the default threshold.
+- ``patience`` guards against one quiet window inside a drifting phase.
+
+Every rank must take the same decision (a mismatch hangs the collectives of the two
+stages). In warm-up, gradients are averaged over each group, so v is identical on the
+ranks of a group; groups with different process groups (expert parameters) hold
+different v on different ranks, so the two sums are all-reduced over the optimizer's
+process group before they are compared: identical inputs, identical decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moebit import distributed as mdist
+from moebit.comm import stats
+
+logger = logging.getLogger("moebit.optim")
+
+
+@dataclass
+class AutoFreeze:
+    """The variance-stability rule; ``observe`` is called once per warm-up step.
+
+    Defaults were chosen with ``python -m moebit.bench.freeze`` (docs/optimizers.md):
+    they freeze a byte-level language model near 10-20% of a 1000-step run, which is
+    where fixed freeze steps stop costing loss.
+    """
+
+    window: int = 50
+    threshold: float = 0.05
+    patience: int = 2
+    min_steps: int = 100
+    max_steps: int | None = None
+    # Mutable state (saved in the optimizer's state_dict).
+    snapshot: list[torch.Tensor] | None = field(default=None, repr=False)
+    snapshot_step: int = 0
+    quiet_checks: int = 0
+    last_drift: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ValueError(f"auto freeze window must be an int >= 1, got {self.window!r}")
+        if not (self.threshold > 0):
+            raise ValueError(f"auto freeze threshold must be > 0, got {self.threshold!r}")
+        if not (isinstance(self.patience, int) and self.patience >= 1):
+            raise ValueError(f"auto freeze patience must be an int >= 1, got {self.patience!r}")
+        if not (isinstance(self.min_steps, int) and self.min_steps >= 1):
+            raise ValueError(f"auto freeze min_steps must be an int >= 1, got {self.min_steps!r}")
+        if self.max_steps is not None and not (
+            isinstance(self.max_steps, int) and self.max_steps >= self.min_steps
+        ):
+            raise ValueError(
+                f"auto freeze max_steps must be None or an int >= min_steps, got {self.max_steps!r}"
+            )
+
+    def observe(
+        self,
+        step: int,
+        exp_avg_sqs: list[torch.Tensor],
+        bias_correction2: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> bool:
+        """Look at v after warm-up step ``step``; True when the variance should freeze now.
+
+        ``exp_avg_sqs`` are the raw (uncorrected) second-moment buffers; the snapshot is
+        only taken from ``min_steps - window`` on, so it costs no memory before then.
+        """
+        if self.max_steps is not None and step >= self.max_steps:
+            return True
+        if step < self.min_steps - self.window or step % self.window != 0:
+            return False
+        scale = 1.0 / bias_correction2
+        roots = [v.mul(scale).sqrt_() for v in exp_avg_sqs]
+        decided = False
+        if self.snapshot is not None and step - self.snapshot_step == self.window:
+            moved = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64)
+            for now, before in zip(roots, self.snapshot, strict=True):
+                moved += (now - before).abs_().sum(dtype=torch.float64).cpu()
+                total += now.sum(dtype=torch.float64).cpu()
+            moved_total = _sum_over(torch.stack([moved, total]), group, roots[0].device)
+            drift = float(moved_total[0] / moved_total[1].clamp_min(1e-300))
+            self.last_drift = drift
+            if step >= self.min_steps:
+                self.quiet_checks = self.quiet_checks + 1 if drift < self.threshold else 0
+                decided = self.quiet_checks >= self.patience
+            logger.debug("auto freeze check at step %d: drift %.4g", step, drift)
+        self.snapshot = None if decided else roots
+        self.snapshot_step = step
+        return decided
+
+    def release(self) -> None:
+        """Drop the snapshot (at the freeze: the compression stage does not need it)."""
+        self.snapshot = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": {
+                "window": self.window,
+                "threshold": self.threshold,
+                "patience": self.patience,
+                "min_steps": self.min_steps,
+                "max_steps": self.max_steps,
+            },
+            "snapshot": None if self.snapshot is None else [t.clone() for t in self.snapshot],
+            "snapshot_step": self.snapshot_step,
+            "quiet_checks": self.quiet_checks,
+            "last_drift": self.last_drift,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore progress; the thresholds of the running optimizer are kept."""
+        snap = sd.get("snapshot")
+        self.snapshot = None if snap is None else [t.clone() for t in snap]
+        self.snapshot_step = int(sd.get("snapshot_step", 0))
+        self.quiet_checks = int(sd.get("quiet_checks", 0))
+        self.last_drift = sd.get("last_drift")
+
+
+def _sum_over(
+    x: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """Sum a tiny float64 tensor over ``group`` (identity without a process group).
+
+    It travels on ``device`` (the buffers' device) so that NCCL groups get a CUDA tensor.
+    """
+    w = mdist.world_size(group)
+    if w == 1:
+        return x
+    x = x.to(device)
+    dist.all_reduce(x, group=group)
+    x = x.cpu()
+    moved = stats.ring_allreduce_bytes(x.numel() * x.element_size(), w)
+    stats.record("freeze_check", moved, moved)
+    return x
