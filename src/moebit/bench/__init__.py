@@ -1,0 +1,1 @@
+"""Benchmarks: communication, MoE layers, training, inference."""
