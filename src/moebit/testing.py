@@ -57,7 +57,8 @@ def _child(
         try:
             result = fn(rank, world, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have torn it down itself
+                dist.destroy_process_group()
         out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - the traceback is the product here
         out.put((rank, False, traceback.format_exc()))

@@ -1,0 +1,186 @@
+"""Byte-level corpora and rank-sharded batches.
+
+With no path, the corpus is the Python standard library's own ``.py`` files: about 30 MB
+of real text on every machine, so training needs no download. Train and validation are
+split by file with a hash of the relative path (stable across machines and runs).
+Training batches are random windows from a per-rank seeded stream, so ranks see
+different data; validation batches are fixed and identical on every rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VAL_PER_MILLE = 20  # about 2% of files go to validation
+_SNIFF_BYTES = 8192
+
+
+class CorpusError(ValueError):
+    """The corpus path is missing, empty, or not text."""
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # uint8 bytes
+    val: np.ndarray
+    source: str
+    n_files: int
+
+    def unigram_entropy(self) -> float:
+        """Entropy of the training bytes' unigram distribution, in nats per byte.
+
+        The loss of a model that learned byte frequencies and nothing else: a trained
+        model must end clearly below it.
+        """
+        counts = np.bincount(self.train, minlength=256).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        f for f in root.rglob("*.py")
+        if "site-packages" not in f.parts and "dist-packages" not in f.parts and f.is_file()
+    )
+    return root, files
+
+
+def is_validation(relpath: str) -> bool:
+    h = int.from_bytes(hashlib.sha1(relpath.encode()).digest()[:4], "little")
+    return h % 1000 < VAL_PER_MILLE
+
+
+def _looks_binary(head: bytes) -> bool:
+    if b"\x00" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # A multi-byte character cut at the sniff boundary is still text.
+        return e.start < len(head) - 4
+    return False
+
+
+def _resolve(path: str) -> tuple[Path, list[Path], bool]:
+    """(root, files, explicit): ``explicit`` when the user named exactly one file."""
+    p = Path(path).expanduser()
+    if any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+        if not files:
+            raise CorpusError(f"--data {path!r}: the glob matches no files")
+        return Path("."), files, False
+    if not p.exists():
+        raise CorpusError(f"--data {path!r}: no such file or folder")
+    if p.is_file():
+        return p.parent, [p], True
+    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    if not files:
+        raise CorpusError(f"--data {path!r}: the folder holds no files")
+    return p, files, False
+
+
+def load_corpus(path: str | None = None) -> Corpus:
+    """Read a corpus: the stdlib by default, else a text file, a folder, or a glob.
+
+    Binary files named directly are an error; inside a folder or glob they are skipped
+    (a folder of sources often holds a few). A corpus with no text at all is an error.
+    """
+    if path is None:
+        root, files = stdlib_files()
+        explicit = False
+        source = f"python stdlib ({root})"
+    else:
+        root, files, explicit = _resolve(path)
+        source = path
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    kept = 0
+    for f in files:
+        data = f.read_bytes()
+        if _looks_binary(data[:_SNIFF_BYTES]):
+            if explicit:
+                raise CorpusError(f"--data {path!r}: {f} looks binary, not text")
+            continue
+        if not data:
+            continue
+        kept += 1
+        rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.as_posix()
+        (val_parts if is_validation(rel) else train_parts).append(data)
+    if kept == 0:
+        raise CorpusError(f"corpus {source!r} holds no text (no non-empty text files)")
+    # bytearray: writable buffers, so torch.from_numpy shares them without a warning.
+    train = np.frombuffer(bytearray(b"\n".join(train_parts)), dtype=np.uint8)
+    val = np.frombuffer(bytearray(b"\n".join(val_parts)), dtype=np.uint8)
+    if len(val) < len(train) // 200 or len(train) == 0:
+        # Too few files for a split by file (e.g. one text file): hold out the tail.
+        everything = np.frombuffer(bytearray(b"\n".join(train_parts + val_parts)), dtype=np.uint8)
+        cut = int(len(everything) * (1 - VAL_PER_MILLE / 1000))
+        train, val = everything[:cut], everything[cut:]
+    return Corpus(train=train, val=val, source=source, n_files=kept)
+
+
+def check_block_size(corpus: Corpus, block_size: int) -> None:
+    for name, arr in (("training", corpus.train), ("validation", corpus.val)):
+        if len(arr) <= block_size + 1:
+            raise CorpusError(
+                f"the {name} split of {corpus.source!r} has {len(arr)} bytes, fewer than "
+                f"block_size+1 = {block_size + 1}: use a larger corpus or a smaller --block-size"
+            )
+
+
+class TrainBatches:
+    """Random windows of block_size+1 bytes from a stream seeded per (seed, rank).
+
+    The generator state is the whole data position, so a checkpoint of it resumes exactly.
+    """
+
+    def __init__(
+        self, data: np.ndarray, block_size: int, batch_size: int, seed: int, rank: int
+    ) -> None:
+        self.data = torch.from_numpy(data)
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self._arange = torch.arange(block_size + 1)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hi = len(self.data) - self.block_size - 1
+        starts = torch.randint(0, hi + 1, (self.batch_size,), generator=self.gen)
+        win = self.data[starts[:, None] + self._arange].long()
+        return win[:, :-1], win[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.gen.set_state(sd["gen"])
+
+
+def val_batches(
+    data: np.ndarray, block_size: int, batch_size: int, n_batches: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed validation windows, the same on every rank, spread evenly over the split."""
+    t = torch.from_numpy(data)
+    hi = len(t) - block_size - 1
+    n = n_batches * batch_size
+    gen = torch.Generator().manual_seed(seed + 12345)
+    starts = torch.randint(0, hi + 1, (n,), generator=gen)
+    win = t[starts[:, None] + torch.arange(block_size + 1)].long()
+    return [
+        (win[i : i + batch_size, :-1], win[i : i + batch_size, 1:])
+        for i in range(0, n, batch_size)
+    ]
+
+
+def bits_per_byte(nats: float) -> float:
+    return nats / math.log(2)

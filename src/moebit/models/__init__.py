@@ -1,0 +1,1 @@
+"""Models trained by moebit."""

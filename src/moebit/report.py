@@ -1,0 +1,169 @@
+"""Compare runs: loss curves on shared axes (PNG) and a table of final figures.
+
+Reads each run folder's ``metrics.jsonl`` (written by rank 0 of ``moebit train``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class ReportError(ValueError):
+    pass
+
+
+def read_metrics(run: Path) -> list[dict[str, Any]]:
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{run}: no metrics.jsonl (is it a moebit run folder?)")
+    recs = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ReportError(f"{path}:{i}: not a JSON line") from None
+    return recs
+
+
+def label_of(run: Path) -> str:
+    cfg_path = Path(run) / "config.json"
+    name = Path(run).name
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        opt = cfg.get("optimizer", "?")
+        moe = f", E={cfg['num_experts']}" if cfg.get("num_experts") else ""
+        return f"{name} ({opt}{moe})"
+    return name
+
+
+def summarize(run: Path) -> dict[str, Any]:
+    recs = read_metrics(run)
+    start = next((r for r in recs if r.get("kind") == "start"), {})
+    end = next((r for r in reversed(recs) if r.get("kind") == "end"), None)
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    trains = [r for r in recs if r.get("kind") == "train"]
+    val = end["val_loss"] if end else (evals[-1]["val_loss"] if evals else math.nan)
+    return {
+        "run": label_of(run),
+        "params": start.get("n_params"),
+        "steps": end["steps"] if end else (trains[-1]["step"] if trains else 0),
+        "val_loss": val,
+        "unigram": start.get("unigram_entropy"),
+        "tokens_per_s": end["tokens_per_s"] if end else None,
+        "MB_sent": (end or (trains[-1] if trains else {})).get("bytes_sent", 0) / 1e6,
+        "wall_s": end["wall"] if end else None,
+        "frozen_at": end.get("frozen_at") if end else None,
+        "finished": end is not None,
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]
+    cols = ["run", "params", "steps", "val_loss", "vs first", "tokens/s", "MB sent",
+            "bytes vs first", "wall s"]
+    lines = []
+    for r in rows:
+        rel = r["val_loss"] / base["val_loss"] if base["val_loss"] else math.nan
+        vol = (base["MB_sent"] / r["MB_sent"]) if r["MB_sent"] else math.inf
+        lines.append([
+            r["run"], f"{r['params'] / 1e6:.2f}M" if r["params"] else "?", str(r["steps"]),
+            f"{r['val_loss']:.4f}", f"{rel:.4f}",
+            f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "?",
+            f"{r['MB_sent']:.1f}", f"{vol:.2f}x fewer" if r is not base else "-",
+            f"{r['wall_s']:.0f}" if r["wall_s"] else "?",
+        ])
+    widths = [max(len(c), *(len(row[i]) for row in lines)) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*row) for row in lines]
+    if base.get("unigram"):
+        out.append(f"(unigram byte entropy of the training split: {base['unigram']:.4f} nats/byte)")
+    return "\n".join(out)
+
+
+def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
+    """Draw loss against step and against wall time, and expert load for MoE runs."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (ax_step, ax_wall) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs:
+        recs = read_metrics(run)
+        lab = label_of(run)
+        tr = [r for r in recs if r.get("kind") == "train"]
+        ev = [r for r in recs if r.get("kind") == "eval"]
+        line = ax_step.plot([r["step"] for r in tr], [r["loss"] for r in tr], alpha=0.35)[0]
+        c = line.get_color()
+        ax_step.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=c,
+                     label=f"{lab} val", ms=3)
+        ax_wall.plot([r["wall"] for r in ev], [r["val_loss"] for r in ev], "o-", color=c,
+                     label=lab, ms=3)
+        frozen = next((r.get("frozen_at") for r in recs if r.get("kind") == "end"), None)
+        if frozen:
+            ax_step.axvline(frozen, color=c, ls=":", lw=1)
+    start = next((r for r in read_metrics(runs[0]) if r.get("kind") == "start"), {})
+    for ax, xl in ((ax_step, "step"), (ax_wall, "wall time (s)")):
+        if start.get("unigram_entropy"):
+            ax.axhline(start["unigram_entropy"], color="grey", ls="--", lw=1,
+                       label="unigram entropy")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("loss (nats/byte)")
+        ax.grid(alpha=0.3)
+    ax_step.set_title("loss against step (faint: train, dots: validation)")
+    ax_wall.set_title("validation loss against wall time")
+    ax_step.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out_dir / "loss.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    paths += _plot_expert_load(runs, out_dir)
+    return paths
+
+
+def _plot_expert_load(runs: list[Path], out_dir: Path) -> list[Path]:
+    """Per MoE block, each expert's share of routed tokens over training."""
+    paths = []
+    for run in runs:
+        tr = [r for r in read_metrics(run) if r.get("kind") == "train" and r.get("expert_load")]
+        if not tr:
+            continue
+        n_layers = len(tr[0]["expert_load"])
+        fig, axes = plt.subplots(1, n_layers, figsize=(4.5 * n_layers, 3.5), squeeze=False)
+        steps = [r["step"] for r in tr]
+        for li in range(n_layers):
+            ax = axes[0][li]
+            n_e = len(tr[0]["expert_load"][li])
+            for e in range(n_e):
+                share = []
+                for r in tr:
+                    load = r["expert_load"][li]
+                    tot = sum(load) or 1.0
+                    share.append(load[e] / tot)
+                ax.plot(steps, share, lw=0.8)
+            ax.axhline(1 / n_e, color="k", ls="--", lw=0.8)
+            ax.set_title(f"MoE block {li}: share per expert")
+            ax.set_xlabel("step")
+        fig.tight_layout()
+        p = out_dir / (f"expert_load-{Path(run).name}.png" if len(runs) > 1 else "expert_load.png")
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def report(runs: list[str], out: str | None = None) -> tuple[str, list[Path]]:
+    paths = [Path(r) for r in runs]
+    for p in paths:
+        if not p.is_dir():
+            raise ReportError(f"{p}: no such run folder")
+    table = format_table([summarize(p) for p in paths])
+    out_dir = Path(out) if out else (paths[0].parent if len(paths) > 1 else paths[0])
+    return table, plot_runs(paths, out_dir)

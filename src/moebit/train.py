@@ -1,0 +1,305 @@
+"""The training loop: one rank's work, launched N times by torch.distributed.run.
+
+``moebit train`` resolves and validates the configuration, writes it into the run
+folder and starts the ranks with torchrun; each rank runs ``python -m moebit.train
+--resolved-config RUN/config.json``. Data parallel: every rank draws its own batches,
+gradients are averaged with bucketed allreduces (expert gradients over their
+expert-data-parallel group only), or, for the 1-bit optimizers, the optimizer does the
+exchange itself. Rank 0 writes metrics (JSON lines), plots and the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moebit import checkpoint
+from moebit.comm import stats
+from moebit.config import TrainConfig, build
+from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
+from moebit.distributed import DistInfo, allreduce_mean_, broadcast_params_, init_from_env
+from moebit.models.gpt import GPT
+
+SAMPLE_PROMPTS = ["def ", "import ", "class ", "    return "]
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(model: GPT, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """One group for data-parallel parameters; expert parameters in their own group."""
+    if cfg.num_experts and cfg.ep_size > 1:
+        from moebit.moe import split_params_for_ep
+
+        return split_params_for_ep(model)
+    return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
+def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam" and not cfg.extra:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
+    from moebit.optim import build_optimizer
+
+    return build_optimizer(
+        cfg.optimizer,
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        freeze_step=cfg.resolved_freeze_step(),
+        **cfg.extra,
+    )
+
+
+def average_gradients(opt: torch.optim.Optimizer) -> None:
+    for group in opt.param_groups:
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        allreduce_mean_(grads, group=group.get("process_group"), op_name="grad_allreduce")
+
+
+def clip_gradients(model: GPT, max_norm: float, ep_group: Any = None) -> float:
+    """Clip by the global gradient norm, the same on every rank.
+
+    With expert parallelism each rank holds different experts: their squared norms are
+    summed over the expert-parallel group so every rank computes the same total.
+    """
+    dense, expert = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (expert if getattr(p, "moebit_expert", False) else dense).append(p.grad)
+    sq = torch.zeros((), dtype=torch.float32)
+    for g in dense:
+        sq += g.float().pow(2).sum()
+    if expert:
+        esq = torch.zeros((), dtype=torch.float32)
+        for g in expert:
+            esq += g.float().pow(2).sum()
+        if ep_group is not None:
+            dist.all_reduce(esq, group=ep_group)
+        sq += esq
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in dense + expert:
+            g.mul_(coef)
+    return norm
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: str,
+             device: torch.device) -> float:
+    """Mean validation loss in nats per byte (every rank computes the same number)."""
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with autocast(dtype, device):
+            total += float(model(x.to(device), y.to(device)).loss)
+    model.train()
+    return total / len(batches)
+
+
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def moe_metrics(ffn_outputs: list[Any]) -> dict[str, Any]:
+    """Aux loss, drop rate and expert load of the MoE blocks of one forward pass."""
+    out: dict[str, Any] = {}
+    loads, drops = [], []
+    for o in ffn_outputs:
+        st = getattr(o, "stats", None)
+        if st is None:
+            continue
+        loads.append([float(v) for v in st.tokens_per_expert])
+        drops.append(float(st.fraction_dropped))
+    if loads:
+        out["drop_rate"] = sum(drops) / len(drops)
+        out["expert_load"] = loads
+    return out
+
+
+def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    info = init_from_env(cfg.device)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    try:
+        return _train(cfg, run_dir, info)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
+    corpus = load_corpus(cfg.data)
+    check_block_size(corpus, cfg.block_size)
+    mcfg = cfg.model_config()
+    ep_group = None
+    if cfg.num_experts and cfg.ep_size > 1:
+        from moebit.moe import expert_parallel_groups
+
+        ep_group = expert_parallel_groups(cfg.ep_size).ep_group
+    model = GPT(mcfg).to(info.device)
+    broadcast_params_(model)
+    groups = param_groups(model, cfg)
+    opt = make_optimizer(cfg, groups)
+    self_averaging = getattr(opt, "averages_gradients", False)
+    batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)
+    vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
+    n_params = model.num_params()
+    metrics_path = run_dir / "metrics.jsonl"
+    log = metrics_path.open("a") if info.is_main else None
+    tokens_per_step = cfg.batch_size * cfg.block_size * info.world_size
+
+    def emit(rec: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+
+    if info.is_main:
+        emit({"kind": "start", "n_params": n_params, "world_size": info.world_size,
+              "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
+              "corpus": corpus.source, "train_bytes": len(corpus.train),
+              "val_bytes": len(corpus.val), "threads": torch.get_num_threads()})
+    bar = None
+    if info.is_main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc="train", unit="step", mininterval=1.0,
+                   file=sys.stderr, dynamic_ncols=True)
+    t_start = time.perf_counter()
+    train_time = 0.0  # wall time spent in training steps (evaluation excluded)
+    win_loss, win_aux, win_n, win_time = 0.0, 0.0, 0, 0.0
+    win_stats = stats.snapshot()
+    val_loss = float("nan")
+    last_moe: dict[str, Any] = {}
+    postfix: dict[str, str] = {}
+    model.train()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batches.next()
+        x, y = x.to(info.device), y.to(info.device)
+        with autocast(cfg.dtype, info.device):
+            out = model(x, y)
+        loss = out.loss + out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if not self_averaging:
+            average_gradients(opt)
+        if cfg.grad_clip > 0:
+            clip_gradients(model, cfg.grad_clip, ep_group)
+        opt.step()
+        dt = time.perf_counter() - t0
+        train_time += dt
+        win_time += dt
+        win_loss += float(out.loss.detach())
+        win_aux += float(out.aux_loss.detach())
+        win_n += 1
+        if cfg.num_experts:
+            last_moe = moe_metrics(out.ffn_outputs)
+        last = step == cfg.steps - 1
+        if (step + 1) % cfg.log_every == 0 or last:
+            now = stats.snapshot()
+            d = now.minus(win_stats)
+            rec = {
+                "kind": "train", "step": step + 1, "loss": win_loss / win_n, "lr": lr,
+                "tokens_per_s": tokens_per_step * win_n / win_time,
+                "bytes_sent": now.bytes_sent, "bytes_recv": now.bytes_recv,
+                "step_bytes_sent": d.bytes_sent / win_n, "step_bytes_recv": d.bytes_recv / win_n,
+                "comm_seconds_per_step": sum(o.seconds for o in d.ops.values()) / win_n,
+                "wall": time.perf_counter() - t_start, "train_time": train_time,
+                "comm_stage": getattr(opt, "comm_stage", "exact"),
+            }
+            if cfg.num_experts:
+                rec["aux_loss"] = win_aux / win_n
+                rec.update(last_moe)
+            emit(rec)
+            if bar is not None:
+                postfix.update(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                               MB_sent=f"{now.bytes_sent / 1e6:.1f}")
+                bar.set_postfix(postfix, refresh=False)
+            win_loss, win_aux, win_n, win_time, win_stats = 0.0, 0.0, 0, 0.0, now
+        if (step + 1) % cfg.eval_every == 0 or last:
+            val_loss = evaluate(model, vbatches, cfg.dtype, info.device)
+            emit({"kind": "eval", "step": step + 1, "val_loss": val_loss,
+                  "wall": time.perf_counter() - t_start, "train_time": train_time,
+                  "bytes_sent": stats.snapshot().bytes_sent})
+            if bar is not None:
+                postfix["val"] = f"{val_loss:.3f}"
+                bar.set_postfix(postfix, refresh=False)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    total = stats.snapshot()
+    summary = {
+        "kind": "end", "steps": cfg.steps, "val_loss": val_loss, "n_params": n_params,
+        "unigram_entropy": corpus.unigram_entropy(), "wall": time.perf_counter() - t_start,
+        "train_time": train_time, "bytes_sent": total.bytes_sent, "bytes_recv": total.bytes_recv,
+        "tokens_per_s": tokens_per_step * cfg.steps / train_time,
+        "frozen_at": getattr(opt, "frozen_at", None),
+    }
+    save_final(model, cfg, run_dir, info)
+    if cfg.samples:
+        from moebit.inference import generate
+
+        texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
+        summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]
+    emit(summary)
+    if log is not None:
+        log.close()
+    if info.is_main:
+        from moebit.report import plot_runs
+
+        plot_runs([run_dir], run_dir)
+    return summary
+
+
+def save_final(model: GPT, cfg: TrainConfig, run_dir: Path, info: DistInfo) -> None:
+    """Rank 0 writes the model; with expert parallelism each rank writes its experts' shard."""
+    sharded = bool(cfg.num_experts) and cfg.ep_size > 1
+    if info.is_main or sharded:
+        name = f"model-rank{info.rank}.pt" if sharded else "model.pt"
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        checkpoint.save_atomic({"model": state, "model_config": cfg.model_config().to_dict()},
+                               run_dir / "checkpoint" / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moebit.train", description=__doc__)
+    ap.add_argument("--resolved-config", required=True,
+                    help="config.json written by `moebit train` into the run folder")
+    args = ap.parse_args(argv)
+    path = Path(args.resolved_config)
+    cfg = build(json.loads(path.read_text()), source=str(path))
+    summary = run(cfg, path.parent)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "samples"}))
+        for s in summary.get("samples", []):
+            print("---\n" + s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

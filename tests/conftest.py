@@ -1,0 +1,25 @@
+"""Shared fixtures: a small real-text corpus (stdlib sources) for fast training tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moebit.data import stdlib_files
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with ~600 KB of real Python source copied from the standard library."""
+    root, files = stdlib_files()
+    out = tmp_path_factory.mktemp("corpus")
+    total = 0
+    for f in files:
+        if total > 600_000:
+            break
+        data = f.read_bytes()
+        dst = out / f.relative_to(root).as_posix().replace("/", "__")
+        dst.write_bytes(data)
+        total += len(data)
+    return out
