@@ -344,9 +344,9 @@ class OnebitAdam(Optimizer):
         del g
         pg = self._group_pg(group)
         if mdist.world_size(pg) > 1:
-            averaged = self._compressor(gi, pg).allreduce(b.exp_avg, name=b.name)
-            b.exp_avg.copy_(averaged)
-            del averaged
+            # In place: the compressor keeps its own copy of what it has not yet delivered.
+            # One rank alone has nothing to send, and compressing would only add error.
+            self._compressor(gi, pg).allreduce(b.exp_avg, name=b.name, out=b.exp_avg)
         for mv, mask in zip(b.m_views, b.masks, strict=True):
             if mask is not None:
                 mv.mul_(mask)
