@@ -180,3 +180,47 @@ def _expert_groups(rank: int, world: int) -> dict:
         opt.step()
     return {"dense": _flat(dense), "expert": _flat(expert)}
 
+
+
+def _ddp_and_standalone(rank: int, world: int) -> dict:
+    """The same run twice: standalone, and under DDP with moebit's freezable hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from moebit.comm.hooks import FreezableAllreduceState, freezable_allreduce_hook
+
+    out: dict = {}
+    plain = _model()
+    opt = OnebitAdam(plain.parameters(), lr=5e-3, freeze_step=6)
+    _run(plain, opt, rank, range(15))
+    out["standalone"] = _flat(plain)
+
+    ddp = DDP(_model())
+    hook_state = FreezableAllreduceState()
+    ddp.register_comm_hook(hook_state, freezable_allreduce_hook)
+    opt = OnebitAdam(
+        ddp.parameters(), lr=5e-3, freeze_step=6,
+        grads_averaged_externally=True, ddp_hook_state=hook_state,
+    )
+    stats.reset()
+    _run(ddp, opt, rank, range(6))
+    warm = stats.snapshot()
+    out["frozen_after_warmup"] = hook_state.frozen
+    _run(ddp, opt, rank, range(6, 15))
+    after = stats.snapshot().minus(warm)
+    out["warm_ops"] = {k for k, v in warm.ops.items() if v.calls}
+    out["after_ops"] = {k for k, v in after.ops.items() if v.calls}
+    out["ddp"] = _flat(ddp.module)
+    return out
+
+
+def test_under_ddp_with_freezable_hook_matches_standalone() -> None:
+    r0, r1 = run_on_ranks(_ddp_and_standalone, world=2, timeout=TIMEOUT)
+    assert torch.equal(r0["ddp"], r1["ddp"])
+    assert r0["frozen_after_warmup"]
+    # Warm-up: DDP averaged, the optimizer sent nothing; afterwards DDP is silent.
+    assert "ddp.allreduce" in r0["warm_ops"] and "onebit_adam.warmup" not in r0["warm_ops"]
+    assert "ddp.allreduce" not in r0["after_ops"]
+    assert any(k.startswith("onebit.") for k in r0["after_ops"])
+    # Same algorithm; DDP divides before summing, so only rounding differs in warm-up,
+    # which the sign compression can amplify a little afterwards.
+    torch.testing.assert_close(r0["ddp"], r0["standalone"], rtol=0, atol=2e-3)
