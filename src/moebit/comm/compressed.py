@@ -40,9 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebit import distributed as mdist  # a module import: moebit.distributed imports comm.stats
 from moebit.comm import stats
 from moebit.comm.bitpack import feedback_error, feedback_step_, server_step_, unpack_scaled
-from moebit.distributed import all_gather_flat
 
 __all__ = ["OnebitAllreduce", "padded_length"]
 
@@ -83,6 +83,11 @@ class OnebitAllreduce:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+            raise ValueError(
+                "this rank is not a member of the given group (dist.new_group returned "
+                "NON_GROUP_MEMBER here): only the group's ranks may create its 1-bit allreduce"
+            )
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 "group must be a torch.distributed.ProcessGroup or None, got "
@@ -209,7 +214,7 @@ class OnebitAllreduce:
 
         t0 = time.perf_counter()
         if w > 1:
-            all_gather_flat(b.recv2.view(-1), b.send2, group=self.group)
+            mdist.all_gather_flat(b.recv2.view(-1), b.send2, group=self.group)
         else:
             b.recv2[0].copy_(b.send2)
         stats.record("onebit.phase2", moved, moved, time.perf_counter() - t0)
@@ -248,7 +253,7 @@ class OnebitAllreduce:
         mine = torch.tensor([n], dtype=torch.int64, device=device)
         every = torch.empty(self.world, dtype=torch.int64, device=device)
         t0 = time.perf_counter()
-        all_gather_flat(every, mine, group=self.group)
+        mdist.all_gather_flat(every, mine, group=self.group)
         moved = 8 * (self.world - 1)
         stats.record("onebit.header", moved, moved, time.perf_counter() - t0)
         lengths = every.tolist()
