@@ -121,6 +121,7 @@ def test_replicas_identical_resume_exact_memory_wire_and_groups() -> None:
     # A param group with its own process group is averaged only within it.
     assert torch.equal(r0["dense"], r1["dense"])
     assert not torch.equal(r0["expert"], r1["expert"])
+    assert r0["auto_frozen_at"] is None and r1["auto_frozen_at"] is None
 
 
 def _converge(rank: int, world: int, steps: int) -> dict:
@@ -178,7 +179,17 @@ def _expert_groups(rank: int, world: int) -> dict:
         opt.zero_grad()
         (dense(x[:, :4]).pow(2).mean() + expert(x[:, :4]).pow(2).mean()).backward()
         opt.step()
-    return {"dense": _flat(dense), "expert": _flat(expert)}
+    # The auto-freeze decision is agreed over the world: rank 0's own expert v is steady
+    # (alone it would freeze at step 4), rank 1's keeps growing, so neither may freeze.
+    p = torch.nn.Parameter(torch.zeros(64))
+    rule = {"window": 2, "threshold": 1e-3, "patience": 1, "min_steps": 4}
+    auto = OnebitAdam(
+        [{"params": [p], "process_group": solo}], freeze_step="auto", auto_freeze=rule
+    )
+    for t in range(12):
+        p.grad = torch.full((64,), 1.0 if rank == 0 else 1.5**t)
+        auto.step()
+    return {"dense": _flat(dense), "expert": _flat(expert), "auto_frozen_at": auto.frozen_at}
 
 
 

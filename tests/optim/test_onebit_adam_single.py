@@ -162,6 +162,13 @@ def test_auto_freeze_triggers_on_a_stabilizing_problem(caplog) -> None:
     assert any("variance frozen after step" in r.message for r in caplog.records)
 
 
+def test_auto_freeze_thresholds_from_a_dict() -> None:
+    opt = OnebitAdam(_model().parameters(), freeze_step="auto", auto_freeze={"window": 7})
+    assert opt.auto_freeze is not None and opt.auto_freeze.window == 7
+    with pytest.raises(TypeError):
+        OnebitAdam(_model().parameters(), freeze_step="auto", auto_freeze={"windw": 7})
+
+
 def test_auto_freeze_waits_while_v_drifts() -> None:
     rule = AutoFreeze(window=10, threshold=0.01, patience=2, min_steps=20)
     # Gradients grow 5% per step: v never stabilizes, so only max_steps could freeze.

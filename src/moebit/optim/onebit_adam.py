@@ -117,7 +117,8 @@ class OnebitAdam(Optimizer):
             warm-up, so the optimizer sends nothing then.
         ddp_hook_state: the state of moebit's freezable DDP hook; ``freeze()`` is called at
             the freeze so DDP stops allreducing gradients.
-        auto_freeze: thresholds of the auto rule (default ``AutoFreeze()``).
+        auto_freeze: thresholds of the auto rule, an ``AutoFreeze`` or a dict of its
+            fields (default ``AutoFreeze()``).
         amsgrad: accepted only as False (AMSGrad's running max of v has no 1-bit analogue).
     """
 
@@ -136,7 +137,7 @@ class OnebitAdam(Optimizer):
         bias_correction: bool = True,
         grads_averaged_externally: bool = False,
         ddp_hook_state: FreezableHookState | None = None,
-        auto_freeze: AutoFreeze | None = None,
+        auto_freeze: AutoFreeze | dict[str, Any] | None = None,
         amsgrad: bool = False,
     ) -> None:
         if amsgrad:
@@ -169,6 +170,8 @@ class OnebitAdam(Optimizer):
         self.bias_correction = bool(bias_correction)
         self.grads_averaged_externally = bool(grads_averaged_externally)
         self.ddp_hook_state = ddp_hook_state
+        if isinstance(auto_freeze, dict):  # from a config file: AutoFreeze's field names
+            auto_freeze = AutoFreeze(**auto_freeze)
         self.auto_freeze = (auto_freeze or AutoFreeze()) if freeze_step == "auto" else None
         self._compressors: dict[int, Any] = {}
         self._warned_ddp = False
