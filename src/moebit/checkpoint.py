@@ -62,3 +62,98 @@ def load_file(path: str | os.PathLike[str]) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for bad archives
         raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded training checkpoints: one file per rank plus a manifest that commits them.
+#
+#   RUN/checkpoints/step-00000100/rank-00000.pt ... rank-0000N.pt
+#   RUN/checkpoints/step-00000100/manifest.json   (written last: its presence = complete)
+# ---------------------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def sha256_of(path: str | os.PathLike[str]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def step_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
+    import json
+
+    manifest = {"format": FORMAT_VERSION, **manifest}
+    write_text_atomic(json.dumps(manifest, indent=2) + "\n", ckpt_dir / MANIFEST)
+
+
+def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    import json
+
+    path = ckpt_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_dir} has no {MANIFEST}: the save did not complete") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def verify(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
+    """Check every shard against the manifest's size and SHA-256; name the bad file."""
+    for name, meta in manifest["files"].items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or altered: {size} bytes, "
+                f"the manifest says {meta['bytes']}"
+            )
+        if sha256_of(path) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted: checksum mismatch")
+
+
+def list_complete(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Checkpoint folders of a run that have a manifest, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+
+
+def latest(run_dir: str | os.PathLike[str]) -> Path | None:
+    found = list_complete(run_dir)
+    return found[-1] if found else None
+
+
+def prune(run_dir: str | os.PathLike[str], keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (and stale partial ones)."""
+    import shutil
+
+    complete = list_complete(run_dir)
+    newest = complete[-1] if complete else None
+    for p in complete[: max(0, len(complete) - keep)]:
+        shutil.rmtree(p, ignore_errors=True)
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir() and newest is not None:
+        for p in root.glob("step-*"):
+            if not (p / MANIFEST).exists() and p.name < newest.name:
+                shutil.rmtree(p, ignore_errors=True)

@@ -26,6 +26,7 @@ from typing import Any
 from moebit.config import ConfigError, TrainConfig, build, load_file
 
 LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
+INTERNAL_FIELDS = ("extra", "resume")  # not flags: set through a config file / --resume RUN
 BENCHMARKS = ("comm", "moe", "train", "inference", "freeze")
 
 
@@ -50,9 +51,11 @@ def _train_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-id", help="rendezvous id shared by all nodes (default moebit)")
     launch.add_argument("--max-restarts", type=int, help="restart failed ranks this many times")
     ap.add_argument("--config", help="TOML or JSON file with the same settings as the flags")
+    ap.add_argument("--resume", metavar="RUN",
+                    help="continue RUN from its newest checkpoint (its config; flags override)")
     tr = ap.add_argument_group("training (also keys of --config)")
     for f in fields(TrainConfig):
-        if f.name == "extra":
+        if f.name in INTERNAL_FIELDS:
             continue
         if f.type in ("bool", bool):
             tr.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction)
@@ -71,6 +74,16 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
         raise UsageError(f"unknown flag {unknown[0]!r} for moebit train (see moebit train --help)")
     given = vars(ns)
     launch = {k: given.pop(k) for k in LAUNCH_FLAGS if k in given}
+    if "resume" in given:
+        run = Path(given.pop("resume"))
+        if "config" in given:
+            raise UsageError("--resume RUN takes its settings from RUN/config.json; drop --config")
+        if not (run / "config.json").is_file():
+            raise UsageError(f"--resume {str(run)!r}: not a run folder (no config.json)")
+        file_values = json.loads((run / "config.json").read_text())
+        file_values.update(resume=True, run_dir=str(run))
+        given.pop("run_dir", None)
+        return build(file_values, given, source=f"{run}/config.json"), launch
     file_values = load_file(given.pop("config")) if "config" in given else {}
     cfg = build(file_values, given, source=str(file_values and "--config file"))
     return cfg, launch
@@ -85,7 +98,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         probe.unlink()
     except OSError as e:
         raise UsageError(f"--run-dir {str(run_dir)!r} is not writable: {e}") from None
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / "metrics.jsonl").exists() and not cfg.resume:
         raise UsageError(
             f"--run-dir {str(run_dir)!r} already holds a run (metrics.jsonl): pick another folder"
         )

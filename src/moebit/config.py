@@ -71,6 +71,12 @@ class TrainConfig:
     threads: int = 0  # 0: the machine's cores divided by the ranks on this node
     run_dir: str | None = None
     samples: int = 2  # lines of generated text printed at the end
+    # checkpoints and faults
+    save_every: int = 0  # 0: only the final checkpoint
+    keep_checkpoints: int = 2
+    on_nan: str = "skip"  # a non-finite loss or gradient: skip the step, or stop the run
+    max_nan_skips: int = 10  # consecutive skipped steps before the run stops anyway
+    resume: bool = False  # set by `moebit train --resume RUN`: continue from its latest checkpoint
     extra: dict[str, Any] = field(default_factory=dict)  # optimizer-specific settings
 
     def model_config(self) -> GPTConfig:
@@ -172,7 +178,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 "eval_every", "eval_batches", "log_every", "moe_every", "ep_size",
                 "num_experts_per_tok"):
         need(getattr(cfg, key) > 0, key, "must be positive")
-    for key in ("d_ffn", "warmup_steps", "threads", "samples"):
+    for key in ("d_ffn", "warmup_steps", "threads", "samples", "save_every", "max_nan_skips"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.lr > 0, "lr", "must be positive")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
@@ -185,6 +191,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.eval_capacity_factor > 0, "eval_capacity_factor", "must be positive")
     need(cfg.dtype in ("bf16", "fp32"), "dtype", "must be bf16 or fp32")
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+    need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+    need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")
     need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
     if isinstance(cfg.freeze_step, int):
         need(cfg.freeze_step >= 0, "freeze_step", "must be >= 0 or 'auto'")

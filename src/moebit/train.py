@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit import checkpoint
+from moebit import train_checkpoint as ckpt_io
 from moebit.comm import stats
 from moebit.config import TrainConfig, build
 from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
@@ -52,9 +52,6 @@ def param_groups(model: GPT, cfg: TrainConfig) -> list[dict[str, Any]]:
 
 
 def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adam" and not cfg.extra:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay)
     from moebit.optim import build_optimizer
 
     return build_optimizer(
@@ -138,9 +135,8 @@ def moe_metrics(ffn_outputs: list[Any]) -> dict[str, Any]:
 
 def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     info = init_from_env(cfg.device)
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     try:
         return _train(cfg, run_dir, info)
     finally:
@@ -148,7 +144,30 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradients became NaN or inf and ``on_nan`` says stop."""
+
+
+def _any_rank(flag: bool, self_averaging: bool) -> bool:
+    """Whether any rank saw ``flag``: the step is skipped everywhere or nowhere.
+
+    With exact gradient averaging a NaN on one rank reaches every rank's gradients, so
+    the local check suffices; the 1-bit optimizers exchange no gradients, so they pay
+    one 4-byte allreduce per step for the verdict.
+    """
+    if not self_averaging or not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    t0 = time.perf_counter()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    w = dist.get_world_size()
+    stats.record("nan_check", stats.ring_allreduce_bytes(4, w), stats.ring_allreduce_bytes(4, w),
+                 time.perf_counter() - t0)
+    return bool(t.item() > 0)
+
+
 def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
     check_block_size(corpus, cfg.block_size)
     mcfg = cfg.model_config()
@@ -165,16 +184,32 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)
     vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
     n_params = model.num_params()
-    metrics_path = run_dir / "metrics.jsonl"
-    log = metrics_path.open("a") if info.is_main else None
     tokens_per_step = cfg.batch_size * cfg.block_size * info.world_size
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resumed = None
+    if cfg.resume or restarted:
+        resumed = ckpt_io.restore(run_dir, model, opt, batches, info, cfg)
+    first_step = resumed.step if resumed else 0
+    t_offset = resumed.wall if resumed else 0.0
+    train_time = resumed.train_time if resumed else 0.0
+
+    log = None
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resumed:
+            ckpt_io.trim_metrics(run_dir / "metrics.jsonl", first_step)
+        log = (run_dir / "metrics.jsonl").open("a")
 
     def emit(rec: dict[str, Any]) -> None:
         if log is not None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
 
-    if info.is_main:
+    if resumed:
+        emit({"kind": "resume", "step": first_step, "from": str(resumed.path),
+              "world_size": info.world_size, "resharded": resumed.resharded})
+    else:
         emit({"kind": "start", "n_params": n_params, "world_size": info.world_size,
               "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
               "corpus": corpus.source, "train_bytes": len(corpus.train),
@@ -183,17 +218,17 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     if info.is_main:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc="train", unit="step", mininterval=1.0,
-                   file=sys.stderr, dynamic_ncols=True)
-    t_start = time.perf_counter()
-    train_time = 0.0  # wall time spent in training steps (evaluation excluded)
+        bar = tqdm(total=cfg.steps, initial=first_step, desc="train", unit="step",
+                   mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
+    t_start = time.perf_counter() - t_offset
     win_loss, win_aux, win_n, win_time = 0.0, 0.0, 0, 0.0
     win_stats = stats.snapshot()
     val_loss = float("nan")
     last_moe: dict[str, Any] = {}
     postfix: dict[str, str] = {}
+    nan_streak = nan_total = 0
     model.train()
-    for step in range(cfg.steps):
+    for step in range(first_step, cfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
@@ -207,19 +242,36 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         loss.backward()
         if not self_averaging:
             average_gradients(opt)
-        if cfg.grad_clip > 0:
-            clip_gradients(model, cfg.grad_clip, ep_group)
+        norm = clip_gradients(model, cfg.grad_clip, ep_group)
+        loss_value = float(out.loss.detach())
+        if _any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), self_averaging):
+            nan_streak += 1
+            nan_total += 1
+            emit({"kind": "nan", "step": step + 1, "loss": loss_value, "grad_norm": norm,
+                  "action": cfg.on_nan})
+            if cfg.on_nan == "stop" or nan_streak > cfg.max_nan_skips:
+                why = ("--on-nan stop" if cfg.on_nan == "stop"
+                       else f"{nan_streak} consecutive steps (max_nan_skips={cfg.max_nan_skips})")
+                raise NonFiniteLoss(
+                    f"non-finite loss or gradient at step {step + 1} (loss={loss_value}, "
+                    f"grad norm={norm}); stopping: {why}"
+                )
+            opt.zero_grad(set_to_none=True)  # nothing of this step reaches the optimizer
+            if bar is not None:
+                bar.update(1)
+            continue
+        nan_streak = 0
         opt.step()
         dt = time.perf_counter() - t0
         train_time += dt
         win_time += dt
-        win_loss += float(out.loss.detach())
+        win_loss += loss_value
         win_aux += float(out.aux_loss.detach())
         win_n += 1
         if cfg.num_experts:
             last_moe = moe_metrics(out.ffn_outputs)
         last = step == cfg.steps - 1
-        if (step + 1) % cfg.log_every == 0 or last:
+        if win_n and ((step + 1) % cfg.log_every == 0 or last):
             now = stats.snapshot()
             d = now.minus(win_stats)
             rec = {
@@ -248,19 +300,23 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
             if bar is not None:
                 postfix["val"] = f"{val_loss:.3f}"
                 bar.set_postfix(postfix, refresh=False)
+        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            ckpt_io.save(run_dir, step + 1, model, opt, batches, info, cfg,
+                         wall=time.perf_counter() - t_start, train_time=train_time)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    if math.isnan(val_loss):  # resumed at the very end, or every late step was skipped
+        val_loss = evaluate(model, vbatches, cfg.dtype, info.device)
     total = stats.snapshot()
     summary = {
         "kind": "end", "steps": cfg.steps, "val_loss": val_loss, "n_params": n_params,
         "unigram_entropy": corpus.unigram_entropy(), "wall": time.perf_counter() - t_start,
         "train_time": train_time, "bytes_sent": total.bytes_sent, "bytes_recv": total.bytes_recv,
-        "tokens_per_s": tokens_per_step * cfg.steps / train_time,
-        "frozen_at": getattr(opt, "frozen_at", None),
+        "tokens_per_s": tokens_per_step * max(1, cfg.steps - first_step) / max(train_time, 1e-9),
+        "frozen_at": getattr(opt, "frozen_at", None), "nan_skipped": nan_total,
     }
-    save_final(model, cfg, run_dir, info)
     if cfg.samples:
         from moebit.inference import generate
 
@@ -274,16 +330,6 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
 
         plot_runs([run_dir], run_dir)
     return summary
-
-
-def save_final(model: GPT, cfg: TrainConfig, run_dir: Path, info: DistInfo) -> None:
-    """Rank 0 writes the model; with expert parallelism each rank writes its experts' shard."""
-    sharded = bool(cfg.num_experts) and cfg.ep_size > 1
-    if info.is_main or sharded:
-        name = f"model-rank{info.rank}.pt" if sharded else "model.pt"
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        checkpoint.save_atomic({"model": state, "model_config": cfg.model_config().to_dict()},
-                               run_dir / "checkpoint" / name)
 
 
 def main(argv: list[str] | None = None) -> int:

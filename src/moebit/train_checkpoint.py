@@ -1,0 +1,233 @@
+"""Saving and restoring a training run: sharded, atomic, verified, reshardable.
+
+Each rank writes its own shard (its parameters, experts included, its optimizer state with
+the 1-bit error buffers, its RNG and data-stream state); rank 0 then writes the manifest
+(world size, ep size, step, config, SHA-256 and size of every shard), which commits the
+checkpoint. A checkpoint without a manifest is ignored; a shard that fails its checksum is
+an error naming the file.
+
+Same world size and ep size: every rank loads its own shard, and the run continues bit for
+bit. Otherwise the experts are redistributed: expert parameters (marked ``moebit_expert``,
+stacked on dim 0 as [E_local, ...]) are concatenated over the old expert-parallel group
+and each new rank takes its slice; the 1-bit error buffers are reset with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moebit.checkpoint import (
+    CheckpointError,
+    latest,
+    load_file,
+    prune,
+    read_manifest,
+    save_atomic,
+    sha256_of,
+    shard_name,
+    step_dir,
+    verify,
+    write_manifest,
+    write_text_atomic,
+)
+from moebit.config import TrainConfig
+from moebit.data import TrainBatches
+from moebit.distributed import DistInfo
+
+
+@dataclass
+class Resumed:
+    step: int
+    wall: float
+    train_time: float
+    path: Path
+    resharded: bool
+
+
+def expert_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if getattr(p, "moebit_expert", False)}
+
+
+def _group_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [[name_of[id(p)] for p in g["params"]] for g in opt.param_groups]
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state_dict without the (unpicklable, run-bound) process groups."""
+    sd = opt.state_dict()
+    sd["param_groups"] = [
+        {k: v for k, v in g.items() if k != "process_group"} for g in sd["param_groups"]
+    ]
+    return sd
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    pgs = [g.get("process_group") for g in opt.param_groups]
+    opt.load_state_dict(sd)
+    for g, pg in zip(opt.param_groups, pgs, strict=True):
+        if pg is not None:
+            g["process_group"] = pg
+
+
+def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+         batches: TrainBatches, info: DistInfo, cfg: TrainConfig, *, wall: float,
+         train_time: float) -> Path:
+    d = step_dir(run_dir, step)
+    d.mkdir(parents=True, exist_ok=True)
+    shard = {
+        "step": step,
+        "rank": info.rank,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": optimizer_state(opt),
+        "optimizer_param_names": _group_names(model, opt),
+        "rng": torch.get_rng_state(),
+        "batches": batches.state_dict(),
+        "wall": wall,
+        "train_time": train_time,
+    }
+    path = d / shard_name(info.rank)
+    save_atomic(shard, path)
+    meta = {"rank": info.rank, "bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    metas = [meta]
+    if info.world_size > 1:
+        metas = [None] * info.world_size  # type: ignore[list-item]
+        dist.all_gather_object(metas, meta)
+    if info.is_main:
+        write_manifest(d, {
+            "step": step,
+            "world_size": info.world_size,
+            "ep_size": cfg.ep_size if cfg.num_experts else 1,
+            "optimizer": cfg.optimizer,
+            "model_config": cfg.model_config().to_dict(),
+            "config": cfg.to_dict(),
+            "files": {shard_name(m["rank"]): {"bytes": m["bytes"], "sha256": m["sha256"]}
+                      for m in metas},
+        })
+        prune(run_dir, cfg.keep_checkpoints)
+    if info.world_size > 1:
+        dist.barrier()  # nobody runs ahead of a checkpoint that is not committed yet
+    return d
+
+
+_RESHARDABLE_KEYS = {"moe"}  # model settings that may change on resume (ep_size lives in moe)
+
+
+def _check_model_config(manifest: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
+    saved = manifest["model_config"]
+    now = cfg.model_config().to_dict()
+    diff = [k for k in now if k not in _RESHARDABLE_KEYS and saved.get(k) != now[k]]
+    if diff:
+        parts = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diff)
+        raise CheckpointError(f"{where} holds another model ({parts})")
+
+
+def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+            batches: TrainBatches, info: DistInfo, cfg: TrainConfig) -> Resumed | None:
+    """Load the newest complete checkpoint of ``run_dir`` into this rank's objects."""
+    d = latest(run_dir)
+    if d is None:
+        if cfg.resume:
+            raise CheckpointError(f"--resume {run_dir}: the run has no complete checkpoint")
+        return None  # restarted before the first checkpoint: start over
+    manifest = read_manifest(d)
+    _check_model_config(manifest, cfg, d)
+    old_world, old_ep = manifest["world_size"], manifest["ep_size"]
+    new_ep = cfg.ep_size if cfg.num_experts else 1
+    if old_world == info.world_size and old_ep == new_ep:
+        verify(d, {"files": {shard_name(info.rank): manifest["files"][shard_name(info.rank)]}})
+        shard = load_file(d / shard_name(info.rank))
+        model.load_state_dict(shard["model"])
+        load_optimizer_state(opt, shard["optimizer"])
+        torch.set_rng_state(shard["rng"])
+        batches.load_state_dict(shard["batches"])
+        return Resumed(shard["step"], shard["wall"], shard["train_time"], d, False)
+    return _reshard(d, manifest, model, opt, batches, info, old_ep, new_ep)
+
+
+def _reshard(d: Path, manifest: dict[str, Any], model: torch.nn.Module,
+             opt: torch.optim.Optimizer, batches: TrainBatches, info: DistInfo,
+             old_ep: int, new_ep: int) -> Resumed:
+    # The first old expert-parallel group (ranks 0..old_ep-1) holds every expert once.
+    names = [shard_name(r) for r in range(old_ep)]
+    verify(d, {"files": {n: manifest["files"][n] for n in names}})
+    shards = [load_file(d / n) for n in names]
+    experts = expert_names(model)
+    my_ep_rank = info.rank % new_ep
+
+    def regather(key: str, per_shard: list[torch.Tensor]) -> torch.Tensor:
+        if key not in experts:
+            return per_shard[0]
+        full = torch.cat(per_shard, dim=0)
+        if full.shape[0] % new_ep:
+            raise CheckpointError(
+                f"{d}: {key} holds {full.shape[0]} experts, not divisible by ep_size {new_ep}"
+            )
+        n = full.shape[0] // new_ep
+        return full[my_ep_rank * n : (my_ep_rank + 1) * n].clone()
+
+    state = {k: regather(k, [s["model"][k] for s in shards]) for k in shards[0]["model"]}
+    model.load_state_dict(state)
+    _reshard_optimizer(d, shards, model, opt, regather)
+    own = d / shard_name(info.rank)
+    if info.rank < manifest["world_size"] and own.is_file():
+        batches.load_state_dict(load_file(own)["batches"])
+    torch.manual_seed(int(manifest["config"]["seed"]) + int(manifest["step"]) + info.rank)
+    if info.is_main:
+        warnings.warn(
+            f"resuming {d} on world size {info.world_size} / ep size {new_ep} (saved with "
+            f"{manifest['world_size']} / {old_ep}): experts redistributed; 1-bit error buffers "
+            "reset", stacklevel=2)
+    s0 = shards[0]
+    return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True)
+
+
+def _reshard_optimizer(d: Path, shards: list[dict[str, Any]], model: torch.nn.Module,
+                       opt: torch.optim.Optimizer, regather: Any) -> None:
+    """Carry the optimizer's per-parameter state over by parameter name."""
+    saved = shards[0]["optimizer"]
+    if "onebit" in saved:
+        same_layout = [len(g) for g in shards[0]["optimizer_param_names"]] == [
+            len(g["params"]) for g in opt.param_groups]
+        if same_layout and not expert_names(model):
+            load_optimizer_state(opt, saved)  # buckets match; the compressor resets itself
+            return
+        warnings.warn(f"{d}: 1-bit optimizer state cannot follow experts to new ranks yet; "
+                      "it restarts from its warm-up", stacklevel=3)
+        return
+    per_name: list[dict[str, dict[str, Any]]] = []
+    for s in shards:
+        flat = [n for g in s["optimizer_param_names"] for n in g]
+        per_name.append({flat[int(i)]: st for i, st in s["optimizer"]["state"].items()})
+    params = dict(model.named_parameters())
+    for name, st0 in per_name[0].items():
+        p = params[name]
+        new = {}
+        for key, v in st0.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                new[key] = regather(name, [pn[name][key] for pn in per_name]).to(p.device)
+            else:
+                new[key] = v.clone() if isinstance(v, torch.Tensor) else v
+        opt.state[p] = new
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop records past ``step`` (written after the checkpoint we resume from)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("kind") == "end" or rec.get("step", 0) > step:
+            continue
+        keep.append(line)
+    write_text_atomic("\n".join(keep) + ("\n" if keep else ""), path)
