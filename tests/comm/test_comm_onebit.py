@@ -33,6 +33,11 @@ def _identical_body(rank: int, world: int) -> dict:
             results[(n, str(dtype))] = outs
     x2 = _inputs(rank, 12 * 33).view(12, 33)
     results["2d"] = [ar.allreduce(x2, name="2d")]
+    # pipelined: many segments, the last one short
+    seg = OnebitAllreduce(segment_elements=96)
+    xs = _inputs(rank, 1001)
+    results["segments"] = [seg.allreduce(xs, name="s") for _ in range(3)]
+    results["segments_count"] = [torch.tensor(len(seg._bufs["s"].segments))]
     stats.reset()
     buf = _inputs(rank, 1 << 16)
     ar.allreduce(buf, name="inplace", out=buf)
@@ -87,6 +92,7 @@ def test_every_rank_gets_the_identical_average(world, request):
     ideal = 2 * (world - 1) / world * n / 8
     assert ideal <= sent <= 1.02 * ideal + 16 * world
     assert set(res[0]["stats"]) >= {"onebit.phase1", "onebit.phase2", "onebit.pack"}
+    assert int(res[0]["segments_count"][0]) == 11
 
 
 def _feedback_body(rank: int, world: int, n: int, rounds: int, feedback: bool):
@@ -152,21 +158,21 @@ def test_clear_errors_for_dtype_sizes_and_group(two_ranks):
 
 
 def _state_body(rank: int, world: int) -> dict:
-    a = OnebitAllreduce()
+    a = OnebitAllreduce(segment_elements=256)
     x = _inputs(rank, 1001)
     for _ in range(3):
         a.allreduce(x, "m")
     sd = a.state_dict()
-    b = OnebitAllreduce()
+    b = OnebitAllreduce(segment_elements=256)
     b.load_state_dict(sd)
     next_a = a.allreduce(x, "m")
     next_b = b.allreduce(x, "m")
     other_world = dict(sd, world_size=world + 1)
-    c = OnebitAllreduce()
+    c = OnebitAllreduce(segment_elements=256)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         c.load_state_dict(other_world)
-    fresh = OnebitAllreduce()
+    fresh = OnebitAllreduce(segment_elements=256)
     return {
         "same": torch.allclose(next_a, next_b, atol=1e-6),
         "warned": any("cannot be used" in str(w.message) for w in caught),
@@ -189,13 +195,16 @@ def _nan_body(rank: int, world: int) -> dict:
         bad[17] = float("nan")
     poisoned = ar.allreduce(bad, "g")
     after = ar.allreduce(x, "g")
-    return {"poisoned_finite": bool(torch.isfinite(poisoned).any()),
-            "after_finite": bool(torch.isfinite(after).all())}
+    return {"poisoned": poisoned, "after_finite": bool(torch.isfinite(after).all())}
 
 
 def test_nan_propagates_to_every_rank_without_poisoning_the_error_buffers(two_ranks):
-    for r in two_ranks["nan"]:
-        assert r == {"poisoned_finite": False, "after_finite": True}
+    r0, r1 = two_ranks["nan"]
+    # the chunk holding the NaN comes back non-finite on every rank (as an exact allreduce
+    # would: AMP loss scalers see it); the next call is clean again
+    assert not torch.isfinite(r0["poisoned"][17])
+    assert torch.equal(torch.isfinite(r0["poisoned"]), torch.isfinite(r1["poisoned"]))
+    assert r0["after_finite"] and r1["after_finite"]
 
 
 def test_world_size_one_still_compresses_with_feedback():
@@ -235,4 +244,4 @@ def test_state_dict_of_single_process_is_loadable():
     ar2 = OnebitAllreduce()
     ar2.load_state_dict(sd)
     assert torch.allclose(ar.allreduce(x, "p"), ar2.allreduce(x, "p"), atol=1e-6)
-    assert math.isfinite(float(sd["buffers"]["p"]["server_error"].sum()))
+    assert all(math.isfinite(float(z.sum())) for z in sd["buffers"]["p"]["server_error"])

@@ -6,24 +6,30 @@ NCCL (GPU) and MPI alike:
 
 1. every rank checks that all ranks pass the same length (an 8-byte all_gather: a mismatch
    is an error on every rank instead of a hang or silent garbage);
-2. worker: y = x + worker_error, scale = ||y|| / sqrt(n), signs packed 8 to a byte, the
-   buffer cut into W chunks; each chunk travels with the 4-byte scale appended, so the
-   all_to_all carries the scales too (one collective instead of two);
+2. worker: y = x + worker_error, cut into W chunks; each chunk gets its scale
+   ||y_chunk|| / sqrt(len) and its signs packed 8 to a byte, and travels with its 4-byte
+   scale appended, so one all_to_all carries signs and scales;
 3. server r (chunk r): decodes sum_i (scale_i / W) * sign_i, adds its server error,
    recompresses with its own scale;
-4. an all_gather of the packed server chunks (scale appended), and every rank decodes the
-   same average.
+4. the packed server chunks (scale appended) go to every rank, and every rank decodes the
+   same average. This is an all_gather's traffic, sent as an all_to_all because that one
+   can run asynchronously (below).
 
-Bytes on the wire per rank: 2*(W-1)/W * n/8 plus 8*(W-1) bytes of scales and 8*(W-1) of
-length check, against 2*(W-1)/W * 4n for a ring fp32 allreduce.
+Long buffers are cut into segments (``segment_elements``, 4M by default) that flow through
+these steps as a software pipeline: segment k is packed while k-1 is in phase 1 and k-2 in
+phase 2, so on a slow link the packing hides behind the transfer. Per-chunk scales (rather
+than one per rank) cost no extra bytes and shrink the compression error.
+
+Bytes on the wire per rank: 2*(W-1)/W * n/8, plus 8*(W-1) bytes of scales per segment and
+8*(W-1) for the length check, against 2*(W-1)/W * 4n for a ring fp32 allreduce.
 
 Error buffers are float32, one pair per ``name`` and per rank: they hold what compression
 has not yet delivered, so the running sum of outputs tracks the running sum of exact
 averages. They are stored implicitly as the last compressor input and its scale
 (error = y - scale*sign(y)), which saves a pass over memory; ``state_dict`` materialises
-them. A non-finite input (NaN/inf) gives a non-finite output on every rank, as an exact
-allreduce would (so AMP loss scalers see it), and the error buffers it touched restart
-from zero instead of staying poisoned.
+them. A non-finite input (NaN/inf) gives a non-finite output for the chunks it touches on
+every rank, as an exact allreduce would (so AMP loss scalers see it), and the error buffers
+it touched restart from zero instead of staying poisoned.
 
 World size 1 still compresses, with the same error feedback and no communication, so a
 single-process run of an optimizer built on this behaves like its multi-rank runs.
@@ -53,20 +59,37 @@ def padded_length(n: int, world: int) -> int:
     return max(1, -(-n // step)) * step
 
 
+DEFAULT_SEGMENT = 1 << 22  # elements: 4M float32 = 16 MiB in, 512 KiB packed out
+
+
+@dataclass
+class _Segment:
+    """One pipelined piece of a buffer: its scales, server error and wire buffers."""
+
+    off: int  # first element in the flat buffer
+    length: int
+    chunk: int  # elements per chunk, padded: W chunks cover the segment
+    ys: list[float]  # worker scale of each chunk (error = y - ys*sign(y) there)
+    z: torch.Tensor  # server: last compressor input of this rank's chunk, float32
+    zs: float
+    send: torch.Tensor  # [W, chunk/8 + 4] uint8: packed chunks, each with its scale appended
+    recv: torch.Tensor
+    send2: torch.Tensor  # [W, chunk/8 + 4]: this rank's server chunk, once per peer
+    recv2: torch.Tensor  # [W, chunk/8 + 4]: every server chunk
+
+    def chunk_range(self, r: int) -> tuple[int, int]:
+        """Element range of chunk r within the segment (possibly empty, for padding)."""
+        lo = min(self.length, r * self.chunk)
+        return lo, min(self.length, lo + self.chunk)
+
+
 @dataclass
 class _Buffers:
     """Error-feedback state and reusable scratch for one named buffer on one rank."""
 
     n: int
-    chunk: int  # elements per chunk (padded)
     y: torch.Tensor  # worker: last compressor input, float32 [n]
-    ys: float  # worker: the scale it was compressed with
-    z: torch.Tensor  # server: last compressor input for this rank's chunk, float32
-    zs: float
-    send: torch.Tensor  # [W, chunk/8 + 4] uint8: packed chunks, each with its scale appended
-    recv: torch.Tensor
-    send2: torch.Tensor  # [chunk/8 + 4]
-    recv2: torch.Tensor  # [W, chunk/8 + 4]
+    segments: list[_Segment]
     x32: torch.Tensor | None = None  # float32 copy of a non-float32 / non-contiguous input
     out32: torch.Tensor | None = None  # float32 result before casting to the input dtype
 
@@ -80,9 +103,15 @@ class OnebitAllreduce:
     ``name`` selects the pair of error buffers, so one object serves many buffers; a
     buffer must be passed with the same length on every rank and on every call (a new
     length resets that name's error buffers with a warning).
+
+    ``segment_elements``: buffers longer than this are cut into segments that go through
+    the two phases as a pipeline (packing segment k+1 while segment k is on the wire);
+    each chunk of each segment carries its own scale. Every rank must use the same value.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, segment_elements: int = DEFAULT_SEGMENT
+    ) -> None:
         if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
             raise ValueError(
                 "this rank is not a member of the given group (dist.new_group returned "
@@ -93,6 +122,8 @@ class OnebitAllreduce:
                 "group must be a torch.distributed.ProcessGroup or None, got "
                 f"{type(group).__name__}; build one with torch.distributed.new_group(ranks)"
             )
+        if segment_elements < 8:
+            raise ValueError(f"segment_elements must be at least 8, got {segment_elements}")
         initialized = dist.is_available() and dist.is_initialized()
         if group is not None and not initialized:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
@@ -104,49 +135,61 @@ class OnebitAllreduce:
                 f"this process (global rank {dist.get_rank()}) is not a member of the given group"
             )
         self.backend = dist.get_backend(group) if initialized else None
+        self.segment_elements = segment_elements
         self._bufs: dict[str, _Buffers] = {}
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error buffers (every rank must save its own), materialised as tensors."""
-        buffers = {
-            name: {
-                "n": b.n,
-                "worker_error": feedback_error(b.y, b.ys).cpu(),
-                "server_error": feedback_error(b.z, b.zs).cpu(),
-            }
-            for name, b in self._bufs.items()
+        buffers = {}
+        for name, b in self._bufs.items():
+            worker = torch.empty_like(b.y)
+            for seg in b.segments:
+                for r, s in enumerate(seg.ys):
+                    lo, hi = seg.chunk_range(r)
+                    sl = slice(seg.off + lo, seg.off + hi)
+                    worker[sl] = feedback_error(b.y[sl], s)
+            server = [feedback_error(seg.z, seg.zs).cpu() for seg in b.segments]
+            buffers[name] = {"n": b.n, "worker_error": worker.cpu(), "server_error": server}
+        return {
+            "world_size": self.world,
+            "rank": self.rank,
+            "segment_elements": self.segment_elements,
+            "buffers": buffers,
         }
-        return {"world_size": self.world, "rank": self.rank, "buffers": buffers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore error buffers saved by this rank; from another world size or rank, reset."""
-        if state.get("world_size") != self.world or state.get("rank") != self.rank:
+        saved = (state.get("world_size"), state.get("rank"), state.get("segment_elements"))
+        if saved != (self.world, self.rank, self.segment_elements):
             warnings.warn(
-                f"1-bit allreduce state saved by rank {state.get('rank')} of "
-                f"{state.get('world_size')} cannot be used by rank {self.rank} of {self.world} "
-                "(the server errors belong to other chunks): error buffers start from zero",
+                f"1-bit allreduce state saved by rank {saved[1]} of {saved[0]} (segments of "
+                f"{saved[2]}) cannot be used by rank {self.rank} of {self.world} (segments of "
+                f"{self.segment_elements}): the server errors belong to other chunks, so the "
+                "error buffers start from zero",
                 UserWarning,
                 stacklevel=2,
             )
             self._bufs.clear()
             return
         self._bufs.clear()
-        for name, b in state["buffers"].items():
-            dev = b["worker_error"].device
-            bufs = self._new_buffers(int(b["n"]), dev)
-            bufs.y.copy_(b["worker_error"])
-            bufs.z.copy_(b["server_error"])
-            self._bufs[name] = bufs
+        for name, saved_b in state["buffers"].items():
+            b = self._new_buffers(int(saved_b["n"]), saved_b["worker_error"].device)
+            b.y.copy_(saved_b["worker_error"])  # with scale 0, y is exactly the error
+            for seg, z in zip(b.segments, saved_b["server_error"], strict=True):
+                seg.z.copy_(z)
+            self._bufs[name] = b
 
     def reset(self, name: str | None = None) -> None:
         """Zero the error buffers of ``name``, or of every name."""
         for key, b in self._bufs.items():
             if name is None or key == name:
                 b.y.zero_()
-                b.z.zero_()
-                b.ys = b.zs = 0.0
+                for seg in b.segments:
+                    seg.ys = [0.0] * self.world
+                    seg.z.zero_()
+                    seg.zs = 0.0
 
     def names(self) -> list[str]:
         return list(self._bufs)
@@ -169,7 +212,7 @@ class OnebitAllreduce:
             raise ValueError("the group uses NCCL, which needs CUDA tensors; got a CPU tensor")
         if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
             raise ValueError("out must have the shape and dtype of tensor")
-        n, w = tensor.numel(), self.world
+        n = tensor.numel()
         self._check_lengths(n, tensor.device, name)
         b = self._buffers(name, n, tensor.device)
         x = tensor.reshape(-1)
@@ -178,58 +221,6 @@ class OnebitAllreduce:
                 b.x32 = torch.empty(n, dtype=torch.float32, device=tensor.device)
             b.x32.copy_(x)
             x = b.x32
-        m, cb = b.chunk, b.chunk // 8
-
-        t0 = time.perf_counter()
-        if not math.isfinite(b.ys):
-            b.y.zero_()
-            b.ys = 0.0
-        sumsq = 0.0
-        for r in range(w):
-            lo, hi = r * m, min(n, (r + 1) * m)
-            if hi > lo:
-                sumsq += feedback_step_(x[lo:hi], b.y[lo:hi], b.ys, b.send[r, :cb])
-        b.ys = math.sqrt(sumsq / n) if n else 0.0
-        b.send[:, cb:].copy_(_scale_bytes(b.ys, tensor.device))
-        stats.add_time("onebit.pack", time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        if w > 1:
-            dist.all_to_all_single(b.recv.view(-1), b.send.view(-1), group=self.group)
-        else:
-            b.recv.copy_(b.send)
-        moved = (w - 1) * (cb + 4)
-        stats.record("onebit.phase1", moved, moved, time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        scales = [s / w for s in _read_scales(b.recv, cb)]
-        valid = max(0, min(m, n - self.rank * m))
-        if not math.isfinite(b.zs):
-            b.z.zero_()
-            b.zs = 0.0
-        zsq = server_step_(b.recv, scales, valid, b.z, b.zs, b.send2[:cb])
-        b.zs = math.sqrt(zsq / valid) if valid else 0.0
-        b.send2[cb:].copy_(_scale_bytes(b.zs, tensor.device))
-        stats.add_time("onebit.pack", time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        if w > 1:
-            mdist.all_gather_flat(b.recv2.view(-1), b.send2, group=self.group)
-        else:
-            b.recv2[0].copy_(b.send2)
-        stats.record("onebit.phase2", moved, moved, time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        result = self._decode(b, tensor, out)
-        stats.add_time("onebit.unpack", time.perf_counter() - t0)
-        return result
-
-    # ------------------------------------------------------------------ helpers
-
-    def _decode(
-        self, b: _Buffers, tensor: torch.Tensor, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        n, m, cb = b.n, b.chunk, b.chunk // 8
         if out is None:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         direct = out.dtype == torch.float32 and out.is_contiguous()
@@ -239,13 +230,92 @@ class OnebitAllreduce:
             if b.out32 is None:
                 b.out32 = torch.empty(n, dtype=torch.float32, device=tensor.device)
             flat = b.out32
-        for r, s in enumerate(_read_scales(b.recv2, cb)):
-            lo, hi = r * m, min(n, (r + 1) * m)
-            if hi > lo:
-                unpack_scaled(b.recv2[r, :cb], hi - lo, s, flat[lo:hi])
+
+        # Software pipeline: segment k is packed while k-1 is in phase 1 and k-2 in phase 2.
+        segs = b.segments
+        phase1: list[Any] = [None] * len(segs)
+        phase2: list[Any] = [None] * len(segs)
+        for k in range(len(segs) + 2):
+            if k < len(segs):
+                self._worker(b, segs[k], x)
+                phase1[k] = self._exchange(segs[k].send, segs[k].recv)
+            if 0 <= k - 1 < len(segs):
+                self._wait(phase1[k - 1], "onebit.phase1", segs[k - 1])
+                self._server(segs[k - 1])
+                phase2[k - 1] = self._exchange(segs[k - 1].send2, segs[k - 1].recv2)
+            if 0 <= k - 2 < len(segs):
+                self._wait(phase2[k - 2], "onebit.phase2", segs[k - 2])
+                self._decode(segs[k - 2], flat)
         if not direct:
             out.copy_(flat.view(out.shape))
         return out
+
+    # ------------------------------------------------------------------ the steps
+
+    def _worker(self, b: _Buffers, seg: _Segment, x: torch.Tensor) -> None:
+        """y <- x + worker error, chunk by chunk; packs each chunk with its scale appended."""
+        t0 = time.perf_counter()
+        cb = seg.chunk // 8
+        for r in range(self.world):
+            lo, hi = seg.chunk_range(r)
+            if hi == lo:
+                seg.ys[r] = 0.0
+                seg.send[r, cb:].copy_(_scale_bytes(0.0, seg.send.device))
+                continue
+            sl = slice(seg.off + lo, seg.off + hi)
+            if not math.isfinite(seg.ys[r]):  # a NaN/inf input last time: restart clean
+                b.y[sl].zero_()
+                seg.ys[r] = 0.0
+            sumsq = feedback_step_(x[sl], b.y[sl], seg.ys[r], seg.send[r, :cb])
+            seg.ys[r] = math.sqrt(sumsq / (hi - lo))
+            seg.send[r, cb:].copy_(_scale_bytes(seg.ys[r], seg.send.device))
+        stats.add_time("onebit.pack", time.perf_counter() - t0)
+
+    def _server(self, seg: _Segment) -> None:
+        """Decode sum_i scale_i/W * sign_i of this rank's chunk, add the server error, pack."""
+        t0 = time.perf_counter()
+        w, cb = self.world, seg.chunk // 8
+        scales = [s / w for s in _read_scales(seg.recv, cb)]
+        lo, hi = seg.chunk_range(self.rank)
+        if not math.isfinite(seg.zs):
+            seg.z.zero_()
+            seg.zs = 0.0
+        zsq = server_step_(seg.recv, scales, hi - lo, seg.z, seg.zs, seg.send2[0, :cb])
+        seg.zs = math.sqrt(zsq / (hi - lo)) if hi > lo else 0.0
+        seg.send2[0, cb:].copy_(_scale_bytes(seg.zs, seg.send2.device))
+        if w > 1:
+            seg.send2[1:].copy_(seg.send2[0])  # an all_gather, sent as an all_to_all
+        stats.add_time("onebit.pack", time.perf_counter() - t0)
+
+    def _decode(self, seg: _Segment, flat: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        cb = seg.chunk // 8
+        for r, s in enumerate(_read_scales(seg.recv2, cb)):
+            lo, hi = seg.chunk_range(r)
+            if hi > lo:
+                unpack_scaled(seg.recv2[r, :cb], hi - lo, s, flat[seg.off + lo : seg.off + hi])
+        stats.add_time("onebit.unpack", time.perf_counter() - t0)
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> tuple[Any, float]:
+        """Start an all_to_all of the rows of ``send`` (row r goes to rank r)."""
+        t0 = time.perf_counter()
+        if self.world == 1:
+            recv.copy_(send)
+            return None, time.perf_counter() - t0
+        work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group,
+                                      async_op=True)
+        return work, time.perf_counter() - t0
+
+    def _wait(self, pending: tuple[Any, float], op: str, seg: _Segment) -> None:
+        """Finish a started exchange; the time counted is what this rank spent blocked."""
+        work, spent = pending
+        t0 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        moved = (self.world - 1) * (seg.chunk // 8 + 4)
+        stats.record(op, moved, moved, spent + time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ helpers
 
     def _check_lengths(self, n: int, device: torch.device, name: str) -> None:
         if self.world == 1:
@@ -275,11 +345,11 @@ class OnebitAllreduce:
             )
             b = None
         if b is not None and b.y.device != device:
-            old = b
-            b = self._new_buffers(n, device)
+            old, b = b, self._new_buffers(n, device)
             b.y.copy_(old.y)
-            b.z.copy_(old.z)
-            b.ys, b.zs = old.ys, old.zs
+            for new_seg, old_seg in zip(b.segments, old.segments, strict=True):
+                new_seg.z.copy_(old_seg.z)
+                new_seg.ys, new_seg.zs = old_seg.ys, old_seg.zs
         if b is None:
             b = self._new_buffers(n, device)
         self._bufs[name] = b
@@ -287,25 +357,27 @@ class OnebitAllreduce:
 
     def _new_buffers(self, n: int, device: torch.device) -> _Buffers:
         w = self.world
-        m = padded_length(n, w) // w
-        cb = m // 8
-        valid = max(0, min(m, n - self.rank * m))
+        count = max(1, -(-n // self.segment_elements))
+        seg_len = padded_length(-(-n // count), w)  # equal segments, the last one shorter
+        segments = []
+        for off in range(0, max(n, 1), seg_len):
+            length = min(seg_len, n - off)
+            m = padded_length(length, w) // w
+            cb = m // 8
+            seg = _Segment(
+                off=off, length=length, chunk=m, ys=[0.0] * w, z=torch.empty(0), zs=0.0,
+                send=_u8(device, w, cb + 4), recv=_u8(device, w, cb + 4),
+                send2=_u8(device, w, cb + 4), recv2=_u8(device, w, cb + 4),
+            )
+            lo, hi = seg.chunk_range(self.rank)
+            seg.z = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+            segments.append(seg)
+        y = torch.zeros(n, dtype=torch.float32, device=device)
+        return _Buffers(n=n, y=y, segments=segments)
 
-        def u8(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.uint8, device=device)
 
-        return _Buffers(
-            n=n,
-            chunk=m,
-            y=torch.zeros(n, dtype=torch.float32, device=device),
-            ys=0.0,
-            z=torch.zeros(valid, dtype=torch.float32, device=device),
-            zs=0.0,
-            send=u8(w, cb + 4),
-            recv=u8(w, cb + 4),
-            send2=u8(cb + 4),
-            recv2=u8(w, cb + 4),
-        )
+def _u8(device: torch.device, *shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.uint8, device=device)
 
 
 def _scale_bytes(s: float, device: torch.device) -> torch.Tensor:
