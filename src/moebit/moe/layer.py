@@ -1,0 +1,138 @@
+"""`MoE` and `ResidualMoE`: drop-in feed-forward blocks returning a named output.
+
+The GPT block's feed-forward contract: ``forward(x [B, T, d] or [S, d])`` returns an object
+with ``.hidden`` (same shape as x) and ``.aux_loss`` (a scalar tensor to add to the
+training loss). Losses travel on the output, never through a global list, so two models
+in one process (teacher and student in distillation) cannot mix their losses.
+
+    moe = MoE(512, MoEConfig(num_experts=8, num_experts_per_tok=2))
+    out = moe(x_BTD)
+    loss = lm_loss + out.aux_loss
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moebit import distributed as mdist
+from moebit.moe.config import MoEConfig
+from moebit.moe.dispatch import permute, plan_dispatch, unpermute
+from moebit.moe.experts import Experts
+from moebit.moe.gate import RoutingStats, TopKGate
+from moebit.moe.parallel import EPGroups, expert_parallel_apply
+
+
+@dataclass
+class MoEOutput:
+    hidden: torch.Tensor  # same shape as the input
+    aux_loss: torch.Tensor  # router_aux_loss_coef * balance_loss + router_z_loss_coef * z_loss
+    balance_loss: torch.Tensor  # the load-balancing loss itself (1.0 = uniform routing)
+    z_loss: torch.Tensor  # the router z-loss itself
+    stats: RoutingStats  # tokens per expert, fraction dropped, capacity
+
+
+class MoE(nn.Module):
+    """Top-k gated experts with sort-based dispatch, optionally expert-parallel.
+
+    With ``config.ep_size > 1`` pass ``ep_groups`` from ``expert_parallel_groups(ep_size)``
+    (created once per process, shared by all layers); this rank then holds experts
+    [ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size).
+    """
+
+    def __init__(self, d_model: int, config: MoEConfig, ep_groups: EPGroups | None = None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.d_model = d_model
+        ep = config.ep_size
+        ep_rank = 0
+        if ep > 1:
+            if ep_groups is None:
+                raise ValueError(
+                    f"ep_size = {ep} needs ep_groups: call "
+                    "moebit.moe.expert_parallel_groups(ep_size) once and pass it to every layer"
+                )
+            if ep_groups.ep_size != ep or mdist.world_size(ep_groups.ep_group) != ep:
+                raise ValueError(
+                    f"ep_groups were made for ep_size = {ep_groups.ep_size} "
+                    f"(group of {mdist.world_size(ep_groups.ep_group)} ranks), config has {ep}"
+                )
+            ep_rank = mdist.rank(ep_groups.ep_group)
+        self.ep_groups = ep_groups if ep > 1 else None
+        self.gate = TopKGate(d_model, config)
+        n_local = config.num_local_experts
+        self.experts = Experts(
+            config.num_experts, d_model, config.ffn_size(d_model),
+            first_expert=ep_rank * n_local, num_local=n_local,
+        )
+        self.experts.grad_scale = 1.0 / ep
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        if x.shape[-1] != self.d_model or x.dim() not in (2, 3):
+            raise ValueError(f"MoE expects [B, T, {self.d_model}] or [S, {self.d_model}], "
+                             f"got {tuple(x.shape)}")
+        x_SD = x.reshape(-1, self.d_model)
+        routing = self.gate(x_SD)
+        plan = plan_dispatch(
+            routing.expert_SK, routing.weight_SK, routing.kept_SK, self.config.num_experts
+        )
+        x_ND = permute(x_SD, plan)
+        if self.ep_groups is not None:
+            y_ND = expert_parallel_apply(x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group)
+        else:
+            y_ND = self.experts(x_ND, plan.counts)
+        out_SD = unpermute(y_ND, plan)
+        if not torch.is_autocast_enabled(x.device.type):
+            out_SD = out_SD.to(x.dtype)
+        c = self.config
+        aux = c.router_aux_loss_coef * routing.aux_loss + c.router_z_loss_coef * routing.z_loss
+        return MoEOutput(out_SD.view(x.shape), aux, routing.aux_loss, routing.z_loss,
+                         routing.stats)
+
+
+class MLP(nn.Module):
+    """The dense feed-forward block: Linear(d, f) -> GELU -> Linear(f, d)."""
+
+    def __init__(self, d_model: int, d_ffn: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ffn)
+        self.proj = nn.Linear(d_ffn, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class ResidualMoE(nn.Module):
+    """Residual MoE: a dense MLP beside an MoE, mixed per token: c0 * moe + c1 * mlp.
+
+    The coefficients come from Linear(d, 2) + softmax on the token itself. The paper runs
+    it with a top-1 MoE (top-2 quality at top-1 communication); other k work too.
+    """
+
+    def __init__(self, d_model: int, config: MoEConfig, ep_groups: EPGroups | None = None):
+        super().__init__()
+        self.moe = MoE(d_model, config, ep_groups)
+        self.mlp = MLP(d_model, config.ffn_size(d_model))
+        self.coef = nn.Linear(d_model, 2)
+
+    @property
+    def ep_groups(self) -> EPGroups | None:
+        return self.moe.ep_groups
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        m = self.moe(x)
+        c = torch.softmax(self.coef(x), dim=-1)
+        hidden = m.hidden * c[..., 0:1] + self.mlp(x) * c[..., 1:2]
+        return MoEOutput(hidden, m.aux_loss, m.balance_loss, m.z_loss, m.stats)
+
+
+def build_moe(
+    d_model: int, config: MoEConfig, ep_groups: EPGroups | None = None
+) -> MoE | ResidualMoE:
+    """``ResidualMoE`` when ``config.residual`` else ``MoE``."""
+    cls = ResidualMoE if config.residual else MoE
+    return cls(d_model, config, ep_groups)
