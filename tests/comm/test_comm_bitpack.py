@@ -132,3 +132,15 @@ def test_server_step_matches_reference(path, m):
     assert torch.allclose(z, want, atol=1e-5)
     assert got_sq == pytest.approx(want_sq, rel=1e-5, abs=1e-9)
     assert torch.equal(out[:nb], bitpack.pack_signs(want))
+
+
+def test_unpack_into_a_buffer_and_large_fresh_tensors(path):
+    n = (1 << 21) + 3  # large enough for the huge-page allocation path
+    x = torch.randn(n)
+    packed = bitpack.pack_signs(x)
+    buf = torch.full((n,), 7.0)
+    assert bitpack.unpack_signs(packed, n, out=buf) is buf
+    assert torch.equal(buf, expected_signs(x))
+    assert torch.equal(bitpack.unpack_signs(packed, n), expected_signs(x))
+    half = bitpack.unpack_signs(packed, n, dtype=torch.float16, out=torch.empty(n).half())
+    assert torch.equal(half.float(), expected_signs(x))

@@ -19,6 +19,10 @@ plain torch ops with identical results up to float summation order.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -33,6 +37,7 @@ __all__ = [
     "server_step_",
     "feedback_error",
     "native_available",
+    "empty_fast",
 ]
 
 
@@ -46,6 +51,34 @@ def _native(*tensors: torch.Tensor):
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
     return _bitpack_c.load()
+
+
+_HUGE = 1 << 21
+_libc: Any = None
+
+
+def empty_fast(n: int, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.Tensor:
+    """``torch.empty(n)``, asking Linux for huge pages when it is large and on CPU.
+
+    Why: the first write to a fresh 128 MiB tensor takes 32768 page faults, which cost
+    more than the unpacking that fills it (0.5 against 5 G elements/s here). With
+    ``madvise(MADV_HUGEPAGE)`` it takes 64. Where that is unavailable, a plain tensor.
+    """
+    global _libc
+    t = torch.empty(n, dtype=dtype, device=device)
+    nbytes = n * t.element_size()
+    if t.device.type != "cpu" or nbytes < 4 * _HUGE or sys.platform != "linux":
+        return t
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
+        end = (t.data_ptr() + nbytes) & ~(_HUGE - 1)
+        _libc.madvise(start, end - start, 14)  # MADV_HUGEPAGE; failure is harmless
+    except (OSError, AttributeError):
+        pass
+    return t
 
 
 def _check_float(x: torch.Tensor, what: str) -> None:
@@ -117,7 +150,7 @@ def unpack_scaled(
         raise ValueError(f"{packed.numel()} packed bytes hold fewer than n={n} signs")
     packed = packed.reshape(-1)
     if out is None:
-        out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        out = empty_fast(n, torch.float32, packed.device)
     elif out.dtype != torch.float32 or out.numel() != n:
         raise ValueError(f"out must be float32 with {n} elements, got {out.dtype} {out.numel()}")
     lib = _native(packed, out)
@@ -128,10 +161,19 @@ def unpack_scaled(
     return out
 
 
-def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The first ``n`` packed signs as a tensor of +1/-1 of ``dtype``."""
-    ones = unpack_scaled(packed, n, 1.0)
-    return ones if dtype == torch.float32 else ones.to(dtype)
+def unpack_signs(
+    packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first ``n`` packed signs as a tensor of +1/-1 of ``dtype`` (in ``out`` if given).
+
+    Decoding into an existing float32 buffer runs about 3x faster than into a new tensor,
+    whose pages the kernel must first fault in and zero.
+    """
+    if dtype == torch.float32:
+        return unpack_scaled(packed, n, 1.0, out=out)
+    ones = unpack_scaled(packed, n, 1.0).to(dtype)
+    return ones if out is None else out.copy_(ones)
 
 
 def server_step_(

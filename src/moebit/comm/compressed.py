@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from moebit import distributed as mdist  # a module import: moebit.distributed imports comm.stats
 from moebit.comm import stats
-from moebit.comm.bitpack import feedback_error, feedback_step_, server_step_, unpack_scaled
+from moebit.comm.bitpack import empty_fast, feedback_error, feedback_step_, server_step_, unpack_scaled
 
 __all__ = ["OnebitAllreduce", "padded_length"]
 
@@ -222,7 +222,7 @@ class OnebitAllreduce:
             b.x32.copy_(x)
             x = b.x32
         if out is None:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            out = empty_fast(n, tensor.dtype, tensor.device).view(tensor.shape)
         direct = out.dtype == torch.float32 and out.is_contiguous()
         if direct:
             flat = out.view(-1)
