@@ -134,13 +134,15 @@ def test_state_dict_rejects_foreign_state() -> None:
         opt.load_state_dict(adam.state_dict())
 
 
-def _stabilizing_run(opt_kwargs: dict, steps: int) -> OnebitAdam:
+def _stabilizing_run(opt_kwargs: dict, steps: int, lr_warmup: int = 0) -> OnebitAdam:
     """Linear regression with fresh noise each step: v settles at the noise level."""
     torch.manual_seed(0)
     w_true = torch.randn(20, 1)
     lin = torch.nn.Linear(20, 1)
     opt = OnebitAdam(lin.parameters(), lr=1e-2, **opt_kwargs)
-    for _ in range(steps):
+    for t in range(steps):
+        if lr_warmup:
+            opt.param_groups[0]["lr"] = 1e-2 * min(1.0, (t + 1) / lr_warmup)
         x = torch.randn(64, 20)
         y = x @ w_true + 0.5 * torch.randn(64, 1)
         opt.zero_grad()
@@ -157,9 +159,16 @@ def test_auto_freeze_triggers_on_a_stabilizing_problem(caplog) -> None:
         opt = _stabilizing_run({"freeze_step": "auto", "auto_freeze": rule}, steps=2000)
     assert opt.frozen_at is not None, f"never froze; last drift {rule.last_drift}"
     assert opt.frozen_at >= 60 and opt.frozen_at % 20 == 0
+    assert opt.frozen_at < 300  # (so the learning-rate warm-up test below means something)
     assert rule.last_drift is not None and rule.last_drift < 0.05
     assert rule.snapshot is None  # released at the freeze
     assert any("variance frozen after step" in r.message for r in caplog.records)
+
+
+def test_auto_freeze_waits_for_the_learning_rate_warmup() -> None:
+    rule = AutoFreeze(window=20, threshold=0.05, patience=2, min_steps=60)
+    opt = _stabilizing_run({"freeze_step": "auto", "auto_freeze": rule}, 2000, lr_warmup=300)
+    assert opt.frozen_at is not None and opt.frozen_at >= 300 + 20
 
 
 def test_auto_freeze_thresholds_from_a_dict() -> None:

@@ -5,8 +5,8 @@ corpus on W gloo ranks, once with exactly averaged Adam and once per freeze choi
 OnebitAdam (same seed, data and lr schedule), and reports the final validation loss of
 each, where "auto" froze, and the drift of sqrt(v̂) it saw (``moebit.optim.freeze``).
 
-    python -m moebit.bench.freeze                      # 2 ranks, 600 steps, ~3 min on 2 cores
-    python -m moebit.bench.freeze --steps 1000 --out freeze.json
+    python -m moebit.bench.freeze                      # 2 ranks, 1200 steps, ~15 min on 2 busy cores
+    python -m moebit.bench.freeze --steps 600 --fractions 0.2 --out freeze.json
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m moebit.bench.freeze", description=__doc__)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)

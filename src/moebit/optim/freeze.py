@@ -13,7 +13,10 @@ preconditioner with its snapshot from one window earlier:
     drift = Σ |sqrt(v̂_t) - sqrt(v̂_{t-window})|  /  Σ sqrt(v̂_t)
 
 and freeze once ``drift < threshold`` on ``patience`` consecutive checks (or at
-``max_steps`` if that comes first). Why these choices:
+``max_steps`` if that comes first). A check at which the learning rate has grown since
+the previous one never counts as quiet: v seen during a learning-rate warm-up (small,
+growing updates of a model still near its initialization) is not the v of the run.
+Why these choices:
 
 - sqrt(v̂) is what divides the update, so its relative change is the relative change of
   the per-coordinate step size. The L1 sum weights every coordinate by its own scale;
@@ -26,6 +29,11 @@ and freeze once ``drift < threshold`` on ``patience`` consecutive checks (or at
   shrink or grow (r far from 1). Its noise floor with steady gradients is about
   sqrt(2·window)/(2t), far below the default threshold.
 - ``patience`` guards against one quiet window inside a drifting phase.
+- Measured (``python -m moebit.bench.freeze``, docs/optimizers.md): in byte-level LM
+  training gradients shrink, r stays near 0.2, and drift ≈ 0.4·window/t; the defaults
+  freeze there at step ~500, whatever the run length. That is late for a 600-step run
+  and about 20% of a 2500-step run; ``min_steps`` (e.g. 15% of a known run length) and
+  ``max_steps`` bound it from outside.
 
 Every rank must take the same decision (a mismatch hangs the collectives of the two
 stages). In warm-up, gradients are averaged over each group, so v is identical on the
@@ -68,6 +76,7 @@ class AutoFreeze:
     snapshot_step: int = 0
     quiet_checks: int = 0
     last_drift: float | None = None
+    last_lr: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.window, int) and self.window >= 1):
@@ -91,11 +100,14 @@ class AutoFreeze:
         exp_avg_sqs: list[torch.Tensor],
         bias_correction2: float,
         group: dist.ProcessGroup | None = None,
+        lr: float | None = None,
     ) -> bool:
         """Look at v after warm-up step ``step``; True when the variance should freeze now.
 
         ``exp_avg_sqs`` are the raw (uncorrected) second-moment buffers; the snapshot is
         only taken from ``min_steps - window`` on, so it costs no memory before then.
+        ``lr``: the current learning rate; a check at which it has grown since the last
+        one (a learning-rate warm-up still running) never counts as quiet.
         """
         if self.max_steps is not None and step >= self.max_steps:
             return True
@@ -110,15 +122,22 @@ class AutoFreeze:
             for now, before in zip(roots, self.snapshot, strict=True):
                 moved += (now - before).abs_().sum(dtype=torch.float64).cpu()
                 total += now.sum(dtype=torch.float64).cpu()
-            moved_total = _sum_over(torch.stack([moved, total]), group, roots[0].device)
-            drift = float(moved_total[0] / moved_total[1].clamp_min(1e-300))
+            rising = float(lr is not None and self.last_lr is not None and lr > self.last_lr)
+            sums = _sum_over(
+                torch.stack([moved, total, torch.tensor(rising, dtype=torch.float64)]),
+                group,
+                roots[0].device,
+            )
+            drift = float(sums[0] / sums[1].clamp_min(1e-300))
             self.last_drift = drift
             if step >= self.min_steps:
-                self.quiet_checks = self.quiet_checks + 1 if drift < self.threshold else 0
+                quiet = drift < self.threshold and float(sums[2]) == 0.0
+                self.quiet_checks = self.quiet_checks + 1 if quiet else 0
                 decided = self.quiet_checks >= self.patience
             logger.debug("auto freeze check at step %d: drift %.4g", step, drift)
         self.snapshot = None if decided else roots
         self.snapshot_step = step
+        self.last_lr = lr
         return decided
 
     def release(self) -> None:
@@ -138,6 +157,7 @@ class AutoFreeze:
             "snapshot_step": self.snapshot_step,
             "quiet_checks": self.quiet_checks,
             "last_drift": self.last_drift,
+            "last_lr": self.last_lr,
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -147,6 +167,7 @@ class AutoFreeze:
         self.snapshot_step = int(sd.get("snapshot_step", 0))
         self.quiet_checks = int(sd.get("quiet_checks", 0))
         self.last_drift = sd.get("last_drift")
+        self.last_lr = sd.get("last_lr")
 
 
 def _sum_over(

@@ -384,7 +384,8 @@ class OnebitAdam(Optimizer):
         # The correction of the first group stands for all: groups rarely differ in β2,
         # and the rule only needs a consistent scale between two snapshots.
         _, bc2 = self._corrections(self.param_groups[0], t)
-        return self.auto_freeze.observe(t, vs, bc2, self._default_pg)
+        lr = max(float(g["lr"]) for g in self.param_groups)
+        return self.auto_freeze.observe(t, vs, bc2, self._default_pg, lr=lr)
 
     def _freeze(self, t: int) -> None:
         """Freeze v after warm-up step ``t``, folding in its bias correction once."""
