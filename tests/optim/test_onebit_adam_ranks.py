@@ -1,10 +1,15 @@
-"""OnebitAdam on 2 real gloo ranks: identical replicas, resume, memory, convergence, groups."""
+"""OnebitAdam on 2 real gloo ranks: identical replicas, resume, memory, convergence, groups.
+
+All scenarios run in ONE pair of spawned ranks (a spawn costs seconds of imports); each
+test checks its own part of the results.
+"""
 
 from __future__ import annotations
 
 import io
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,7 +18,7 @@ from moebit.comm import stats
 from moebit.optim import OnebitAdam
 from moebit.testing import run_on_ranks
 
-TIMEOUT = 90
+TIMEOUT = 150
 
 
 def _model() -> torch.nn.Module:
@@ -98,8 +103,21 @@ def _through_the_freeze(rank: int, world: int) -> dict:
     return out
 
 
-def test_replicas_identical_resume_exact_memory_wire_and_groups() -> None:
-    r0, r1 = run_on_ranks(_through_the_freeze, world=2, timeout=TIMEOUT)
+def _everything(rank: int, world: int) -> dict:
+    return {
+        "freeze": _through_the_freeze(rank, world),
+        "converge": _converge(rank, world, 300),
+        "ddp": _ddp_and_standalone(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_on_ranks(_everything, world=2, timeout=TIMEOUT)
+
+
+def test_replicas_identical_resume_exact_memory_wire_and_groups(ranks) -> None:
+    r0, r1 = ranks[0]["freeze"], ranks[1]["freeze"]
     for step in (1, 8, 9, 24):
         assert torch.equal(r0["params"][step], r1["params"][step]), f"ranks differ after {step}"
     assert not torch.equal(r0["params"][8], r0["params"][9])
@@ -154,8 +172,8 @@ def _converge(rank: int, world: int, steps: int) -> dict:
     return losses
 
 
-def test_short_multi_rank_run_converges_like_adam() -> None:
-    r0, r1 = run_on_ranks(_converge, world=2, args=(300,), timeout=TIMEOUT)
+def test_short_multi_rank_run_converges_like_adam(ranks) -> None:
+    r0, r1 = ranks[0]["converge"], ranks[1]["converge"]
     assert r0 == r1  # both optimizers keep replicas in sync
     # Measured: start 3.8, Adam 0.045, 1-bit Adam 0.055 (the label noise alone is 0.01).
     assert r0["onebit"] < 0.03 * r0["start"]
@@ -224,8 +242,8 @@ def _ddp_and_standalone(rank: int, world: int) -> dict:
     return out
 
 
-def test_under_ddp_with_freezable_hook_matches_standalone() -> None:
-    r0, r1 = run_on_ranks(_ddp_and_standalone, world=2, timeout=TIMEOUT)
+def test_under_ddp_with_freezable_hook_matches_standalone(ranks) -> None:
+    r0, r1 = ranks[0]["ddp"], ranks[1]["ddp"]
     assert torch.equal(r0["ddp"], r1["ddp"])
     assert r0["frozen_after_warmup"]
     # Warm-up: DDP averaged, the optimizer sent nothing; afterwards DDP is silent.
