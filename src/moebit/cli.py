@@ -140,7 +140,14 @@ def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as e:
-        raise RuntimeError(f"training failed: {e.get_first_failure()[1].message}") from None
+        rank, failure = e.get_first_failure()
+        how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        detail = failure.message if isinstance(failure.message, str) else ""
+        raise RuntimeError(
+            f"training failed: rank {rank} ({how}); the other ranks were stopped. "
+            f"Resume with: moebit train --resume {run_dir}" + (f"\n{detail}" if detail else "")
+        ) from None
     return run_dir
 
 

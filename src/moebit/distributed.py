@@ -145,9 +145,22 @@ def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[to
     return [b for lists in by_key.values() for b in lists if b]
 
 
-def broadcast_params_(module: torch.nn.Module, src: int = 0) -> None:
-    """Make every rank start from rank ``src``'s parameters and buffers."""
+def broadcast_params_(module: torch.nn.Module, src: int = 0,
+                      expert_dp_group: dist.ProcessGroup | None = None,
+                      expert_src: int | None = None) -> None:
+    """Make every rank start from the same weights.
+
+    Dense parameters and buffers come from rank ``src``. Parameters marked
+    ``moebit_expert`` differ between expert-parallel ranks (each holds other experts):
+    with ``expert_dp_group`` they come from ``expert_src`` (a global rank) within that
+    group, which holds the same experts on every member.
+    """
     if world_size() == 1:
         return
-    for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, src=src)
+    for p in module.parameters():
+        if getattr(p, "moebit_expert", False) and expert_src is not None:
+            dist.broadcast(p.data, src=expert_src, group=expert_dp_group)
+        else:
+            dist.broadcast(p.data, src=src)
+    for b in module.buffers():
+        dist.broadcast(b.data, src=src)

@@ -43,8 +43,9 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def param_groups(model: GPT, cfg: TrainConfig) -> list[dict[str, Any]]:
-    """One group for data-parallel parameters; expert parameters in their own group."""
-    if cfg.num_experts and cfg.ep_size > 1:
+    """One group for data-parallel parameters; with expert parallelism the experts get
+    their own group, averaged over the expert-data-parallel group only."""
+    if model.ep_groups is not None:
         from moebit.moe import split_params_for_ep
 
         return split_params_for_ep(model)
@@ -67,12 +68,22 @@ def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.opti
 
 
 def average_gradients(opt: torch.optim.Optimizer) -> None:
+    """Average each group's gradients over its process group (experts: expert-dp only).
+
+    A missing gradient (an expert that received no token here) counts as zeros, so every
+    rank hands the collective buffers of the same size.
+    """
     for group in opt.param_groups:
-        grads = [p.grad for p in group["params"] if p.grad is not None]
+        grads = []
+        for p in group["params"]:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
         allreduce_mean_(grads, group=group.get("process_group"), op_name="grad_allreduce")
 
 
-def clip_gradients(model: GPT, max_norm: float, ep_group: Any = None) -> float:
+def clip_gradients(model: GPT, max_norm: float) -> float:
     """Clip by the global gradient norm, the same on every rank.
 
     With expert parallelism each rank holds different experts: their squared norms are
@@ -89,8 +100,8 @@ def clip_gradients(model: GPT, max_norm: float, ep_group: Any = None) -> float:
         esq = torch.zeros((), dtype=torch.float32)
         for g in expert:
             esq += g.float().pow(2).sum()
-        if ep_group is not None:
-            dist.all_reduce(esq, group=ep_group)
+        if model.ep_groups is not None:  # its ep_group None means the whole world
+            dist.all_reduce(esq, group=model.ep_groups.ep_group)
         sq += esq
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
@@ -125,7 +136,7 @@ def moe_metrics(ffn_outputs: list[Any]) -> dict[str, Any]:
         st = getattr(o, "stats", None)
         if st is None:
             continue
-        loads.append([float(v) for v in st.tokens_per_expert])
+        loads.append([int(v) for v in st.tokens_per_expert.tolist()])
         drops.append(float(st.fraction_dropped))
     if loads:
         out["drop_rate"] = sum(drops) / len(drops)
@@ -170,14 +181,12 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
     check_block_size(corpus, cfg.block_size)
-    mcfg = cfg.model_config()
-    ep_group = None
-    if cfg.num_experts and cfg.ep_size > 1:
-        from moebit.moe import expert_parallel_groups
-
-        ep_group = expert_parallel_groups(cfg.ep_size).ep_group
-    model = GPT(mcfg).to(info.device)
-    broadcast_params_(model)
+    model = GPT(cfg.model_config()).to(info.device)
+    ep = model.ep_groups
+    if ep is None:
+        broadcast_params_(model)
+    else:
+        broadcast_params_(model, expert_dp_group=ep.expert_dp_group, expert_src=ep.expert_dp_ranks[0])
     groups = param_groups(model, cfg)
     opt = make_optimizer(cfg, groups)
     self_averaging = getattr(opt, "averages_gradients", False)
@@ -242,7 +251,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         loss.backward()
         if not self_averaging:
             average_gradients(opt)
-        norm = clip_gradients(model, cfg.grad_clip, ep_group)
+        norm = clip_gradients(model, cfg.grad_clip)
         loss_value = float(out.loss.detach())
         if _any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), self_averaging):
             nan_streak += 1

@@ -117,13 +117,16 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
     return d
 
 
-_RESHARDABLE_KEYS = {"moe"}  # model settings that may change on resume (ep_size lives in moe)
+def _without_ep(d: dict[str, Any]) -> dict[str, Any]:
+    out = dict(d)
+    out["moe"] = {k: v for k, v in (d.get("moe") or {}).items() if k != "ep_size"}
+    return out
 
 
-def _check_model_config(manifest: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
-    saved = manifest["model_config"]
-    now = cfg.model_config().to_dict()
-    diff = [k for k in now if k not in _RESHARDABLE_KEYS and saved.get(k) != now[k]]
+def _check_model_config(manifest: dict[str, Any], now: dict[str, Any], where: Path) -> None:
+    # Everything but the expert-parallel degree must match; that one may change (resharding).
+    saved, now = _without_ep(manifest["model_config"]), _without_ep(now)
+    diff = [k for k in now if saved.get(k) != now[k]]
     if diff:
         parts = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diff)
         raise CheckpointError(f"{where} holds another model ({parts})")
@@ -138,10 +141,9 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
             raise CheckpointError(f"--resume {run_dir}: the run has no complete checkpoint")
         return None  # restarted before the first checkpoint: start over
     manifest = read_manifest(d)
-    _check_model_config(manifest, cfg, d)
-    old_world, old_ep = manifest["world_size"], manifest["ep_size"]
+    _check_model_config(manifest, cfg.model_config().to_dict(), d)
     new_ep = cfg.ep_size if cfg.num_experts else 1
-    if old_world == info.world_size and old_ep == new_ep:
+    if manifest["world_size"] == info.world_size and manifest["ep_size"] == new_ep:
         verify(d, {"files": {shard_name(info.rank): manifest["files"][shard_name(info.rank)]}})
         shard = load_file(d / shard_name(info.rank))
         model.load_state_dict(shard["model"])
@@ -149,18 +151,25 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         torch.set_rng_state(shard["rng"])
         batches.load_state_dict(shard["batches"])
         return Resumed(shard["step"], shard["wall"], shard["train_time"], d, False)
-    return _reshard(d, manifest, model, opt, batches, info, old_ep, new_ep)
+    shards = load_model_weights(d, manifest, model, info.rank, new_ep)
+    _reshard_optimizer(d, shards, model, opt, _regatherer(model, d, info.rank, new_ep))
+    own = d / shard_name(info.rank)
+    if info.rank < manifest["world_size"] and own.is_file():
+        batches.load_state_dict(load_file(own)["batches"])
+    torch.manual_seed(int(manifest["config"]["seed"]) + int(manifest["step"]) + info.rank)
+    if info.is_main:
+        warnings.warn(
+            f"resuming {d} on world size {info.world_size} / ep size {new_ep} (saved with "
+            f"{manifest['world_size']} / {manifest['ep_size']}): experts redistributed; "
+            "1-bit error buffers reset", stacklevel=2)
+    s0 = shards[0]
+    return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True)
 
 
-def _reshard(d: Path, manifest: dict[str, Any], model: torch.nn.Module,
-             opt: torch.optim.Optimizer, batches: TrainBatches, info: DistInfo,
-             old_ep: int, new_ep: int) -> Resumed:
-    # The first old expert-parallel group (ranks 0..old_ep-1) holds every expert once.
-    names = [shard_name(r) for r in range(old_ep)]
-    verify(d, {"files": {n: manifest["files"][n] for n in names}})
-    shards = [load_file(d / n) for n in names]
+def _regatherer(model: torch.nn.Module, d: Path, rank: int, new_ep: int) -> Any:
+    """A function (name, per-old-shard tensors) -> this rank's tensor under ``new_ep``."""
     experts = expert_names(model)
-    my_ep_rank = info.rank % new_ep
+    my_ep_rank = rank % new_ep
 
     def regather(key: str, per_shard: list[torch.Tensor]) -> torch.Tensor:
         if key not in experts:
@@ -173,20 +182,24 @@ def _reshard(d: Path, manifest: dict[str, Any], model: torch.nn.Module,
         n = full.shape[0] // new_ep
         return full[my_ep_rank * n : (my_ep_rank + 1) * n].clone()
 
+    return regather
+
+
+def load_model_weights(d: Path, manifest: dict[str, Any], model: torch.nn.Module, rank: int,
+                       ep_size: int) -> list[dict[str, Any]]:
+    """Load a checkpoint's weights into ``model`` for expert-parallel rank ``rank % ep_size``.
+
+    Works for any saved and current world/ep sizes: the first saved expert-parallel group
+    (ranks 0..ep-1) holds every expert once; each rank takes its slice. Returns the shards
+    read (for the optimizer state).
+    """
+    names = [shard_name(r) for r in range(manifest["ep_size"])]
+    verify(d, {"files": {n: manifest["files"][n] for n in names}})
+    shards = [load_file(d / n) for n in names]
+    regather = _regatherer(model, d, rank, ep_size)
     state = {k: regather(k, [s["model"][k] for s in shards]) for k in shards[0]["model"]}
     model.load_state_dict(state)
-    _reshard_optimizer(d, shards, model, opt, regather)
-    own = d / shard_name(info.rank)
-    if info.rank < manifest["world_size"] and own.is_file():
-        batches.load_state_dict(load_file(own)["batches"])
-    torch.manual_seed(int(manifest["config"]["seed"]) + int(manifest["step"]) + info.rank)
-    if info.is_main:
-        warnings.warn(
-            f"resuming {d} on world size {info.world_size} / ep size {new_ep} (saved with "
-            f"{manifest['world_size']} / {old_ep}): experts redistributed; 1-bit error buffers "
-            "reset", stacklevel=2)
-    s0 = shards[0]
-    return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True)
+    return shards
 
 
 def _reshard_optimizer(d: Path, shards: list[dict[str, Any]], model: torch.nn.Module,

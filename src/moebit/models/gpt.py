@@ -157,23 +157,30 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
-def build_feed_forward(cfg: GPTConfig, layer: int) -> nn.Module:
-    """The dense MLP, or an MoE layer for the blocks ``cfg.moe_layers()`` names."""
-    n_experts = cfg.experts_at(layer)
-    if n_experts == 0:
-        return MLP(cfg.d_model, cfg.d_ffn, cfg.dropout)
-    from moebit.moe import build_moe_layer  # local import: dense models never need it
+def moe_config_for(cfg: GPTConfig, layer: int) -> Any:
+    """The ``moebit.moe.MoEConfig`` of block ``layer`` (its own expert count: Pyramid MoE)."""
+    from moebit.moe import MoEConfig
 
-    return build_moe_layer(cfg.d_model, cfg.d_ffn, n_experts, cfg.moe)
+    settings = {**cfg.moe, "num_experts": cfg.experts_at(layer), "d_ffn": cfg.d_ffn}
+    return MoEConfig.from_dict(settings)
+
+
+def build_feed_forward(cfg: GPTConfig, layer: int, ep_groups: Any = None) -> nn.Module:
+    """The dense MLP, or an MoE layer (Residual when configured) for ``cfg.moe_layers()``."""
+    if cfg.experts_at(layer) == 0:
+        return MLP(cfg.d_model, cfg.d_ffn, cfg.dropout)
+    from moebit.moe import build_moe  # local import: dense models never need it
+
+    return build_moe(cfg.d_model, moe_config_for(cfg, layer), ep_groups)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, ep_groups: Any = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.ffn = build_feed_forward(cfg, layer)
+        self.ffn = build_feed_forward(cfg, layer, ep_groups)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, Any]:
         x = x + self.attn(self.ln1(x), cache)
@@ -188,14 +195,20 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        # Expert-parallel process groups, made once (collectively) and shared by all layers.
+        self.ep_groups = None
+        if cfg.is_moe and int(cfg.moe.get("ep_size", 1)) > 1:
+            from moebit.moe import expert_parallel_groups
+
+            self.ep_groups = expert_parallel_groups(int(cfg.moe["ep_size"]))
+        self.blocks = nn.ModuleList(Block(cfg, i, self.ep_groups) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
         self.apply(self._init_weights)
-        # Residual projections scaled down with depth (GPT-2).
+        # Residual projections scaled down with depth (GPT-2). Experts initialise themselves.
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if name.endswith("proj.weight") and not getattr(p, "moebit_expert", False):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -208,8 +221,23 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
-        """Parameters counted once (the tied embedding is one tensor)."""
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the whole model, counted once (the tied embedding is one tensor).
+
+        With expert parallelism this rank holds only its share of the experts; the count
+        is of the full model, so it is the same on every rank.
+        """
+        total = 0
+        for p in self.parameters():
+            n = p.numel()
+            if getattr(p, "moebit_expert", False) and self.ep_groups is not None:
+                n *= self.ep_groups.ep_size
+            total += n
+        return total
+
+    def num_expert_params(self) -> int:
+        scale = self.ep_groups.ep_size if self.ep_groups is not None else 1
+        return scale * sum(p.numel() for p in self.parameters()
+                           if getattr(p, "moebit_expert", False))
 
     def forward(
         self,

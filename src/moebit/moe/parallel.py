@@ -14,6 +14,7 @@ experts. Expert gradients are averaged over the expert-dp group, all others over
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def expert_parallel_groups(ep_size: int) -> EPGroups:
 
 
 def _record(x: torch.Tensor, send: list[int], recv: list[int], me: int, seconds: float) -> None:
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have no rows
     stats.record(OP_NAME, (sum(send) - send[me]) * row, (sum(recv) - recv[me]) * row, seconds)
 
 
