@@ -1,0 +1,357 @@
+"""``moebit bench moe``: one MoE layer, forward and forward+backward, against its peers.
+
+    python -m moebit.bench.moe                                  # the full matrix
+    python -m moebit.bench.moe --experts 64 --k 2 --dtypes float32 --json moe.json
+
+Implementations, all on the same input, d_model 512, d_ffn 2048, 4096 tokens by default:
+
+- ``lower_bound``: the compute floor: the float32 router (linear, softmax, top-k) plus each
+  expert's MLP on exactly the tokens our layer keeps for it, pre-gathered into separate
+  tensors, with separate per-expert weights. No dispatch, no combine.
+- ``moebit``: ``moebit.moe.MoE`` (sort-based dispatch, batched experts).
+- ``onehot_baseline``: THE BASELINE, not our code path: the GShard one-hot dispatch, a
+  [S, E, C] dispatch and combine tensor and two einsums (DeepSpeed's method until 2025),
+  with the same router and expert weights.
+- ``deepspeed``: ``deepspeed.moe.layer.MoE`` if importable (optional extra), one gloo rank.
+- ``fairscale``: ``fairscale.nn.MOELayer`` + ``Top2Gate`` if importable (top-2 only; its
+  capacity is fixed at 2S/E and its second expert is sampled with Gumbel noise).
+
+Capacity settings are equal: capacity_factor (default 1.0) for train and eval,
+min_capacity 4, overflow dropped, position priority (DeepSpeed: use_rts=False,
+top2_2nd_expert_sampling=False). ``bfloat16`` means the whole layer's weights and the
+input are bf16 (the routers still compute in float32).
+
+Each (E, k, dtype, implementation) runs in a fresh subprocess with ``--threads`` threads
+(default 2): timings are medians over ``--reps`` after ``--warmup``, and peak memory is the
+growth of the resident set during one forward+backward (Linux VmHWM, reset through
+/proc/self/clear_refs after releasing freed memory with malloc_trim). Gradients already
+are set to None before each step (as optimizer.zero_grad does), so the peak includes the
+weight gradients, activations and workspace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMPLS = ("lower_bound", "moebit", "onehot_baseline", "deepspeed", "fairscale")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+Step = Callable[[], list[torch.Tensor]]  # runs a forward, returns the outputs to backprop
+
+
+def _moe_config(spec: dict[str, Any]):  # -> MoEConfig (imported lazily)
+    from moebit.moe import MoEConfig
+
+    return MoEConfig(
+        num_experts=spec["experts"], num_experts_per_tok=spec["k"],
+        capacity_factor=spec["cf"], eval_capacity_factor=spec["cf"], min_capacity=4,
+        drop_tokens=True, drop_policy="position", d_ffn=spec["d_ffn"],
+    )
+
+
+def _ours(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+    from moebit.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(spec["d_model"], _moe_config(spec)).to(x.dtype)
+    return (lambda: [moe(x).hidden]), moe
+
+
+def _lower_bound(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+    """Router + per-expert MLPs on pre-gathered blocks of exactly the kept tokens."""
+    from moebit.moe import plan_dispatch
+
+    torch.manual_seed(0)
+    _, moe = _ours(spec, x)
+    with torch.no_grad():
+        r = moe.gate(x)
+        plan = plan_dispatch(r.expert_SK, r.weight_SK, r.kept_SK, spec["experts"])
+    holder = nn.Module()
+    holder.router = moe.gate.router
+    blocks = [b.detach().clone().requires_grad_(True)
+              for b in x.detach().index_select(0, plan.token_N).split(plan.counts)]
+    ex = moe.experts
+    holder.w = nn.ParameterList()
+    for e in range(spec["experts"]):
+        for t in (ex.w1[e], ex.b1[e], ex.w2[e], ex.b2[e]):
+            holder.w.append(nn.Parameter(t.detach().clone()))
+    k = spec["k"]
+
+    def step() -> list[torch.Tensor]:
+        logits = F.linear(x.float(), holder.router.weight.float())
+        weights = torch.topk(torch.softmax(logits, -1), k, dim=-1).values
+        outs = [weights]
+        for e, xb in enumerate(blocks):
+            if xb.shape[0]:
+                w1, b1, w2, b2 = holder.w[4 * e : 4 * e + 4]
+                outs.append(torch.addmm(b2, F.gelu(torch.addmm(b1, xb, w1)), w2))
+        return outs
+
+    return step, holder
+
+
+def _onehot_baseline(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+    """BASELINE: GShard one-hot [S, E, C] dispatch/combine einsums, same router and experts."""
+    torch.manual_seed(0)
+    _, moe = _ours(spec, x)
+    e_num, k = spec["experts"], spec["k"]
+
+    def step() -> list[torch.Tensor]:
+        r = moe.gate(x)
+        s = x.shape[0]
+        cap = int(r.stats.capacity)
+        # slot of each (token, choice) in its expert, choices in priority order (first first)
+        mask_PE = F.one_hot(r.expert_SK.t().reshape(-1), e_num) * r.kept_SK.t().reshape(-1, 1)
+        slot_P = ((mask_PE.cumsum(0) - 1) * mask_PE).sum(1)
+        onehot_slot_PC = F.one_hot(slot_P, cap).to(x.dtype)
+        disp_PEC = mask_PE.to(x.dtype).unsqueeze(2) * onehot_slot_PC.unsqueeze(1)
+        disp_SEC = disp_PEC.view(k, s, e_num, cap).sum(0)
+        w_P = r.weight_SK.t().reshape(-1, 1, 1).to(x.dtype)
+        comb_SEC = (disp_PEC * w_P).view(k, s, e_num, cap).sum(0)
+        x_ECD = torch.einsum("sec,sd->ecd", disp_SEC, x)
+        ex = moe.experts
+        h_ECF = F.gelu(torch.baddbmm(ex.b1.unsqueeze(1), x_ECD, ex.w1))
+        y_ECD = torch.baddbmm(ex.b2.unsqueeze(1), h_ECF, ex.w2)
+        return [torch.einsum("sec,ecd->sd", comb_SEC, y_ECD)]
+
+    return step, moe
+
+
+def _init_single_rank_gloo() -> None:
+    import torch.distributed as dist
+
+    from moebit.testing import free_port
+
+    if not dist.is_initialized():
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _mlp(d: int, f: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, f), nn.GELU(), nn.Linear(f, d))
+
+
+def _deepspeed(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+    import deepspeed
+    from deepspeed.moe.layer import MoE as DSMoE
+
+    _init_single_rank_gloo()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    ds = DSMoE(
+        hidden_size=spec["d_model"], expert=_mlp(spec["d_model"], spec["d_ffn"]),
+        num_experts=spec["experts"], ep_size=1, k=spec["k"], capacity_factor=spec["cf"],
+        eval_capacity_factor=spec["cf"], min_capacity=4, use_residual=False,
+        noisy_gate_policy=None, drop_tokens=True, use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
+    ds.set_deepspeed_parallelism()
+    ds = ds.to(x.dtype)
+    return (lambda: [ds(x)[0]]), ds
+
+
+def _fairscale(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+    if spec["k"] != 2:
+        raise NotImplementedError("fairscale's MOELayer has only a top-2 gate")
+    from fairscale.nn import MOELayer, Top2Gate
+
+    _init_single_rank_gloo()
+    torch.manual_seed(0)
+    d, f, e = spec["d_model"], spec["d_ffn"], spec["experts"]
+    layer = MOELayer(Top2Gate(d, e), nn.ModuleList([_mlp(d, f) for _ in range(e)]))
+    layer = layer.to(x.dtype)
+    x3 = x.view(x.shape[0], 1, x.shape[1])  # fairscale wants [s, t, m] with s % E == 0
+    return (lambda: [layer(x3)]), layer
+
+
+BUILDERS = {"lower_bound": _lower_bound, "moebit": _ours, "onehot_baseline": _onehot_baseline,
+            "deepspeed": _deepspeed, "fairscale": _fairscale}
+
+
+def _rss_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _fwd_bwd(step: Step, grads: dict[tuple[int, ...], torch.Tensor]) -> None:
+    outs = step()
+    gs = []
+    for o in outs:
+        key = (*o.shape, int(o.dtype == torch.bfloat16))
+        if key not in grads:
+            grads[key] = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o.dtype)
+        gs.append(grads[key])
+    torch.autograd.backward(outs, gs)
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Time and measure one implementation in this process (the subprocess body)."""
+    torch.set_num_threads(spec["threads"])
+    dtype = DTYPES[spec["dtype"]]
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(dtype).requires_grad_(True)
+    step, module = BUILDERS[spec["impl"]](spec, x)
+    grads: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def zero() -> None:
+        for p in list(module.parameters()) + [x]:
+            if p.grad is not None:
+                p.grad = None  # as optimizer.zero_grad() does
+
+    def timed(fn: Callable[[], Any]) -> list[float]:
+        for _ in range(spec["warmup"]):
+            fn()
+            zero()
+        out = []
+        for _ in range(spec["reps"]):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+            zero()
+        return out
+
+    fwd = timed(step)
+    fb = timed(lambda: _fwd_bwd(step, grads))
+    _release_memory()
+    have_hwm = True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        have_hwm = False
+    base = _rss_kib("VmRSS:")
+    _fwd_bwd(step, grads)
+    peak_mb = (_rss_kib("VmHWM:") - base) / 1024 if have_hwm else None
+    n_params = sum(p.numel() for p in module.parameters())
+    return {
+        "fwd_ms": 1e3 * statistics.median(fwd), "fwd_bwd_ms": 1e3 * statistics.median(fb),
+        "fwd_all_ms": [round(1e3 * t, 1) for t in fwd],
+        "fwd_bwd_all_ms": [round(1e3 * t, 1) for t in fb],
+        "peak_mem_mb": peak_mb, "params": n_params,
+    }
+
+
+def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "moebit.bench.moe", "--worker", json.dumps(spec)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit code {p.returncode}"]
+    return {"error": tail[0][:300]}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    def csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+        return lambda s: [kind(v) for v in s.split(",") if v.strip()]
+
+    p = argparse.ArgumentParser(prog="moebit bench moe", description=__doc__.split("\n")[0])
+    p.add_argument("--experts", type=csv(int), default=[8, 32, 64])
+    p.add_argument("--k", type=csv(int), default=[1, 2])
+    p.add_argument("--dtypes", type=csv(str), default=["float32", "bfloat16"])
+    p.add_argument("--impls", type=csv(str), default=list(IMPLS))
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-ffn", type=int, default=2048)
+    p.add_argument("--capacity-factor", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
+    p.add_argument("--json", default=None, help="write all results to this file")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    for name in a.impls:
+        if name not in IMPLS:
+            p.error(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+    for name in a.dtypes:
+        if name not in DTYPES:
+            p.error(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    return a
+
+
+def _fmt(v: float | None, nd: int = 0) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(sys.argv[1:] if argv is None else argv)
+    if a.worker is not None:
+        spec = json.loads(a.worker)
+        try:
+            print(json.dumps(run_one(spec)), flush=True)
+        except Exception as e:  # noqa: BLE001 - a peer failing is a result, not a crash
+            print(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+        return 0
+
+    results: list[dict[str, Any]] = []
+    print(f"# moebit bench moe: d_model {a.d_model}, d_ffn {a.d_ffn}, {a.tokens} tokens, "
+          f"cf {a.capacity_factor}, {a.threads} threads, median of {a.reps}; "
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print("E   k  dtype     impl             fwd ms  fwd+bwd ms  peak MB  "
+          "fb / lower_bound  fp32 lower_bound fb / fb")
+    fp32_lb: dict[tuple[int, int], float] = {}
+    for dtype in sorted(a.dtypes, key=lambda d: d != "float32"):
+        for e in a.experts:
+            for k in a.k:
+                lb = None
+                for impl in a.impls:
+                    spec = {"impl": impl, "experts": e, "k": k, "dtype": dtype,
+                            "tokens": a.tokens, "d_model": a.d_model, "d_ffn": a.d_ffn,
+                            "cf": a.capacity_factor, "reps": a.reps, "warmup": a.warmup,
+                            "threads": a.threads}
+                    r = {**spec, **_spawn(spec, a.timeout)}
+                    results.append(r)
+                    if "error" in r:
+                        print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s}  skipped: {r['error']}",
+                              flush=True)
+                        continue
+                    fb = r["fwd_bwd_ms"]
+                    if impl == "lower_bound":
+                        lb = fb
+                        if dtype == "float32":
+                            fp32_lb[(e, k)] = fb
+                    r["ratio_lower_bound"] = fb / lb if lb else None
+                    base = fp32_lb.get((e, k))
+                    r["speedup_vs_fp32_lower_bound"] = base / fb if base else None
+                    print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s} {r['fwd_ms']:7.0f} "
+                          f"{fb:11.0f} {_fmt(r['peak_mem_mb']):>8s}  "
+                          f"{_fmt(r['ratio_lower_bound'], 2):>14s}  "
+                          f"{_fmt(r['speedup_vs_fp32_lower_bound'], 2):>19s}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(a).items() if k != "worker"},
+                       "torch": torch.__version__, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
