@@ -47,3 +47,13 @@ def test_bench_runs_two_ranks_and_writes_json(tmp_path, capsys):
     assert all(r["median_s"] > 0 for r in rows.values())
     printed = capsys.readouterr().out
     assert "onebit-wire" in printed and "x fp32" in printed
+
+
+def test_link_without_root_stops_with_a_clear_error(monkeypatch, capsys):
+    import os
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert comm.main(["--link", "1gbit", "--ranks", "2"]) == 2
+    assert "needs root" in capsys.readouterr().err
+    assert comm.main(["--link", "fast"]) == 2
+    assert "cannot read link rate" in capsys.readouterr().err

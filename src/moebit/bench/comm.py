@@ -375,10 +375,14 @@ def main(argv: list[str]) -> int:
     if args.bitpack:
         return _bitpack_bench(args)
     if args.link:
-        from moebit.bench.netns import _require_tools, parse_rate
+        from moebit.bench.netns import ShapedLinkUnavailable, _require_tools, parse_rate
 
-        parse_rate(args.link)
-        _require_tools()  # fail before any rank starts, never run unshaped
+        try:  # fail before any rank starts; never run unshaped
+            parse_rate(args.link)
+            _require_tools()
+        except (ValueError, ShapedLinkUnavailable) as e:
+            print(f"moebit bench comm: --link {args.link}: {e}", file=sys.stderr)
+            return 2
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moebit-bench-") as tmp:
         for world in args.ranks:
