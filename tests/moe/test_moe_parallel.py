@@ -72,6 +72,31 @@ def _check_against_one_process(rank: int, world: int, ep_size: int, cfg: MoEConf
     return moved
 
 
+def _check_autocast(rank: int, world: int, groups) -> None:
+    """Under bf16 autocast the tokens travel in bf16 and the result matches one process."""
+    cfg = MoEConfig(num_experts=4, num_experts_per_tok=2, ep_size=2, d_ffn=20)
+    torch.manual_seed(0)
+    moe = MoE(D, cfg, groups)
+    torch.manual_seed(0)
+    ref = MoE(D, cfg.replace(ep_size=1))
+    xs, _ = _inputs(world, s=32)
+    before = stats.snapshot()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = moe(xs[rank])
+        want = ref(xs[rank]).hidden
+    op = stats.snapshot().minus(before).ops["moe.all_to_all"]
+    assert o.hidden.dtype == torch.bfloat16
+    assert torch.allclose(o.hidden.float(), want.float(), atol=1e-2, rtol=1e-2)
+    me = groups.ep_ranks.index(rank)
+    other = 1 - me
+    peer = ref(xs[groups.ep_ranks[other]])  # the other rank's routing (same router weights)
+    mine_out = int(o.stats.kept_per_expert[2 * other : 2 * other + 2].sum())
+    theirs_in = int(peer.stats.kept_per_expert[2 * me : 2 * me + 2].sum())
+    assert mine_out > 0 and theirs_in > 0
+    # [E] int64 counts (half off-rank), my tokens out, the other rank's results back: bf16
+    assert op.bytes_sent == 2 * 8 + (mine_out + theirs_in) * D * 2
+
+
 def _ep_body(rank: int, world: int, ep_size: int) -> dict[str, object]:
     moved = _check_against_one_process(
         rank, world, ep_size,
@@ -84,6 +109,7 @@ def _ep_body(rank: int, world: int, ep_size: int) -> dict[str, object]:
                   d_ffn=20),
     )
     groups = expert_parallel_groups(ep_size)
+    _check_autocast(rank, world, groups)
     try:
         expert_parallel_groups(3)
         bad = "no error"
