@@ -88,6 +88,7 @@ def _through_the_freeze(rank: int, world: int) -> dict:
     buf = io.BytesIO()
     torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
     buf.seek(0)
+    out["checkpoint"] = buf.getvalue()
     saved = torch.load(buf, weights_only=True)
     torch.manual_seed(99)
     resumed = torch.nn.Sequential(
@@ -140,6 +141,21 @@ def test_replicas_identical_resume_exact_memory_wire_and_groups(ranks) -> None:
     assert torch.equal(r0["dense"], r1["dense"])
     assert not torch.equal(r0["expert"], r1["expert"])
     assert r0["auto_frozen_at"] is None and r1["auto_frozen_at"] is None
+
+
+def test_checkpoint_from_2_ranks_loads_on_one_with_a_warning(ranks) -> None:
+    saved = torch.load(io.BytesIO(ranks[0]["freeze"]["checkpoint"]), weights_only=True)
+    model = _model()
+    model.load_state_dict(saved["model"])
+    opt = OnebitAdam(model.parameters(), lr=5e-3, weight_decay=0.01, freeze_step=8)
+    with pytest.warns(UserWarning, match="error buffers are dropped"):
+        opt.load_state_dict(saved["opt"])
+    assert opt.comm_stage == "compressed" and opt.frozen_at == 8 and opt.step_count == 12
+    for p, m in zip(model.parameters(), saved["opt"]["onebit"]["buckets"][0][0]["exp_avg"]
+                    .split([q.numel() for q in model.parameters()]), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg"].reshape(-1), m)
+    _run(model, opt, 0, range(12, 14))  # and it keeps training, alone
+    assert opt.step_count == 14
 
 
 def _converge(rank: int, world: int, steps: int) -> dict:
