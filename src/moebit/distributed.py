@@ -70,10 +70,29 @@ def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) ->
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = backend_for(dev)
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+        backend, store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
+        timeout=timeout, device_id=dev if dev.type == "cuda" else None,
     )
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev, backend)
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this restart attempt.
+
+    After torchrun restarts failed ranks (``--max-restarts``) the new ranks meet in the
+    same store; without a per-attempt prefix a rank can read a dead peer's old address
+    and fail with "connection refused", or connect to a stranger and hang.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                              multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"moebit/attempt_{attempt}", store)
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
