@@ -21,10 +21,12 @@ min_capacity 4, overflow dropped, position priority (DeepSpeed: use_rts=False,
 top2_2nd_expert_sampling=False). ``bfloat16`` means the whole layer's weights and the
 input are bf16 (the routers still compute in float32).
 
-Each (E, k, dtype, implementation) runs in a fresh subprocess with ``--threads`` threads
-(default 2): timings are medians over ``--reps`` after ``--warmup``, and peak memory is the
-growth of the resident set during one forward+backward (Linux VmHWM, reset through
-/proc/self/clear_refs after releasing freed memory with malloc_trim). Gradients already
+Each (E, k, dtype) runs in a fresh subprocess with ``--threads`` threads (default 2) that
+builds every implementation and times them interleaved (rep 1 of each, rep 2 of each...),
+so that foreign load on a shared machine hits all alike: medians (and minima) over
+``--reps`` after ``--warmup``. Peak memory is the growth of the resident set during one
+forward+backward (Linux VmHWM, reset through /proc/self/clear_refs after releasing freed
+memory with malloc_trim). Gradients already
 are set to None before each step (as optimizer.zero_grad does), so the peak includes the
 weight gradients, activations and workspace.
 """
@@ -208,65 +210,91 @@ def _fwd_bwd(step: Step, grads: dict[tuple[int, ...], torch.Tensor]) -> None:
     torch.autograd.backward(outs, gs)
 
 
-def run_one(spec: dict[str, Any]) -> dict[str, Any]:
-    """Time and measure one implementation in this process (the subprocess body)."""
-    torch.set_num_threads(spec["threads"])
-    dtype = DTYPES[spec["dtype"]]
-    g = torch.Generator().manual_seed(42)
-    x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(dtype).requires_grad_(True)
-    step, module = BUILDERS[spec["impl"]](spec, x)
-    grads: dict[tuple[int, ...], torch.Tensor] = {}
-
-    def zero() -> None:
-        for p in list(module.parameters()) + [x]:
-            if p.grad is not None:
-                p.grad = None  # as optimizer.zero_grad() does
-
-    def timed(fn: Callable[[], Any]) -> list[float]:
-        for _ in range(spec["warmup"]):
-            fn()
-            zero()
-        out = []
-        for _ in range(spec["reps"]):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-            zero()
-        return out
-
-    fwd = timed(step)
-    fb = timed(lambda: _fwd_bwd(step, grads))
+def _peak_growth_mb(step: Step, grads: dict, zero: Callable[[], None]) -> float | None:
+    """Resident-set growth during one forward+backward (None where VmHWM cannot be reset)."""
+    zero()
     _release_memory()
-    have_hwm = True
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        have_hwm = False
+        return None
     base = _rss_kib("VmRSS:")
     _fwd_bwd(step, grads)
-    peak_mb = (_rss_kib("VmHWM:") - base) / 1024 if have_hwm else None
-    n_params = sum(p.numel() for p in module.parameters())
-    return {
-        "fwd_ms": 1e3 * statistics.median(fwd), "fwd_bwd_ms": 1e3 * statistics.median(fb),
-        "fwd_all_ms": [round(1e3 * t, 1) for t in fwd],
-        "fwd_bwd_all_ms": [round(1e3 * t, 1) for t in fb],
-        "peak_mem_mb": peak_mb, "params": n_params,
-    }
+    peak = _rss_kib("VmHWM:")
+    zero()
+    return (peak - base) / 1024
 
 
-def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+def run_config(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Build every implementation for one (E, k, dtype) and time them interleaved.
+
+    Interleaving (rep 1 of each, then rep 2 of each...) makes the ratios fair on a shared
+    machine: a burst of foreign load hits every implementation alike.
+    """
+    torch.set_num_threads(spec["threads"])
+    dtype = DTYPES[spec["dtype"]]
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(dtype).requires_grad_(True)
+    built: dict[str, tuple[Step, nn.Module]] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for impl in spec["impls"]:
+        try:
+            built[impl] = BUILDERS[impl](spec, x)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is a result
+            out[impl] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    grads: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def zero(module: nn.Module) -> Callable[[], None]:
+        def fn() -> None:
+            for p in [*module.parameters(), x]:
+                p.grad = None  # as optimizer.zero_grad() does
+        return fn
+
+    def fwd_bwd(step: Step) -> Callable[[], None]:
+        return lambda: _fwd_bwd(step, grads)
+
+    times: dict[tuple[str, str], list[float]] = {}
+    for phase in ("fwd", "fwd_bwd"):
+        for rep in range(spec["warmup"] + spec["reps"]):
+            for impl, (step, module) in list(built.items()):
+                fn = step if phase == "fwd" else fwd_bwd(step)
+                try:
+                    t0 = time.perf_counter()
+                    fn()
+                    dt = time.perf_counter() - t0
+                except Exception as e:  # noqa: BLE001
+                    out[impl] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    del built[impl]
+                    continue
+                zero(module)()
+                if rep >= spec["warmup"]:
+                    times.setdefault((impl, phase), []).append(dt)
+    for impl, (step, module) in built.items():
+        fwd, fb = times[(impl, "fwd")], times[(impl, "fwd_bwd")]
+        out[impl] = {
+            "fwd_ms": 1e3 * statistics.median(fwd), "fwd_bwd_ms": 1e3 * statistics.median(fb),
+            "fwd_min_ms": 1e3 * min(fwd), "fwd_bwd_min_ms": 1e3 * min(fb),
+            "fwd_all_ms": [round(1e3 * t, 1) for t in fwd],
+            "fwd_bwd_all_ms": [round(1e3 * t, 1) for t in fb],
+            "peak_mem_mb": _peak_growth_mb(step, grads, zero(module)),
+            "params": sum(p.numel() for p in module.parameters()),
+        }
+    return out
+
+
+def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, dict[str, Any]]:
     cmd = [sys.executable, "-m", "moebit.bench.moe", "--worker", json.dumps(spec)]
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s"}
+        return {i: {"error": f"timed out after {timeout:.0f}s"} for i in spec["impls"]}
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit code {p.returncode}"]
-    return {"error": tail[0][:300]}
+    return {i: {"error": tail[0][:300]} for i in spec["impls"]}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -305,47 +333,45 @@ def _fmt(v: float | None, nd: int = 0) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
     if a.worker is not None:
-        spec = json.loads(a.worker)
-        try:
-            print(json.dumps(run_one(spec)), flush=True)
-        except Exception as e:  # noqa: BLE001 - a peer failing is a result, not a crash
-            print(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+        print(json.dumps(run_config(json.loads(a.worker))), flush=True)
         return 0
 
     results: list[dict[str, Any]] = []
     print(f"# moebit bench moe: d_model {a.d_model}, d_ffn {a.d_ffn}, {a.tokens} tokens, "
-          f"cf {a.capacity_factor}, {a.threads} threads, median of {a.reps}; "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print("E   k  dtype     impl             fwd ms  fwd+bwd ms  peak MB  "
-          "fb / lower_bound  fp32 lower_bound fb / fb")
+          f"cf {a.capacity_factor}, {a.threads} threads, median (min) of {a.reps}, "
+          f"implementations interleaved; torch {torch.__version__}, {platform.machine()}")
+    print("E   k  dtype     impl             fwd ms        fwd+bwd ms      peak MB  "
+          "fb/LB  fp32 LB/fb")
     fp32_lb: dict[tuple[int, int], float] = {}
     for dtype in sorted(a.dtypes, key=lambda d: d != "float32"):
         for e in a.experts:
             for k in a.k:
-                lb = None
+                spec = {"impls": a.impls, "experts": e, "k": k, "dtype": dtype,
+                        "tokens": a.tokens, "d_model": a.d_model, "d_ffn": a.d_ffn,
+                        "cf": a.capacity_factor, "reps": a.reps, "warmup": a.warmup,
+                        "threads": a.threads}
+                by_impl = _spawn(spec, a.timeout)
+                lb = by_impl.get("lower_bound", {}).get("fwd_bwd_ms")
+                if dtype == "float32" and lb:
+                    fp32_lb[(e, k)] = lb
                 for impl in a.impls:
-                    spec = {"impl": impl, "experts": e, "k": k, "dtype": dtype,
-                            "tokens": a.tokens, "d_model": a.d_model, "d_ffn": a.d_ffn,
-                            "cf": a.capacity_factor, "reps": a.reps, "warmup": a.warmup,
-                            "threads": a.threads}
-                    r = {**spec, **_spawn(spec, a.timeout)}
+                    r = {**{k2: v for k2, v in spec.items() if k2 != "impls"}, "impl": impl,
+                         **by_impl.get(impl, {"error": "no result"})}
                     results.append(r)
                     if "error" in r:
                         print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s}  skipped: {r['error']}",
                               flush=True)
                         continue
                     fb = r["fwd_bwd_ms"]
-                    if impl == "lower_bound":
-                        lb = fb
-                        if dtype == "float32":
-                            fp32_lb[(e, k)] = fb
                     r["ratio_lower_bound"] = fb / lb if lb else None
                     base = fp32_lb.get((e, k))
                     r["speedup_vs_fp32_lower_bound"] = base / fb if base else None
-                    print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s} {r['fwd_ms']:7.0f} "
-                          f"{fb:11.0f} {_fmt(r['peak_mem_mb']):>8s}  "
-                          f"{_fmt(r['ratio_lower_bound'], 2):>14s}  "
-                          f"{_fmt(r['speedup_vs_fp32_lower_bound'], 2):>19s}", flush=True)
+                    print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s} "
+                          f"{r['fwd_ms']:6.0f} ({r['fwd_min_ms']:5.0f}) "
+                          f"{fb:7.0f} ({r['fwd_bwd_min_ms']:6.0f}) "
+                          f"{_fmt(r['peak_mem_mb']):>8s}  "
+                          f"{_fmt(r['ratio_lower_bound'], 2):>5s}  "
+                          f"{_fmt(r['speedup_vs_fp32_lower_bound'], 2):>10s}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "worker"},
