@@ -5,6 +5,8 @@
     moebit train --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 ...   # multi-node
     moebit report runs/a runs/b                         # curves on shared axes + table
     moebit bench comm --link 1gbit                      # benchmarks (see docs/benchmarks.md)
+    moebit generate runs/a --prompt "def "              # text from a trained run
+    moebit distill --teacher runs/a --student-layers 3  # Mixture-of-Students
     moebit demo                                         # the guided tour
 
 Ranks are launched by torch.distributed.run (torchrun); this process only validates the
@@ -192,7 +194,20 @@ def cmd_demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "report": cmd_report, "bench": cmd_bench, "demo": cmd_demo}
+def cmd_generate(argv: list[str]) -> int:
+    from moebit.generate_cli import main as generate_main
+
+    return generate_main(argv)
+
+
+def cmd_distill(argv: list[str]) -> int:
+    from moebit.distill_cli import main as distill_main
+
+    return distill_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "report": cmd_report, "bench": cmd_bench, "demo": cmd_demo,
+            "generate": cmd_generate, "distill": cmd_distill}
 
 
 def main(argv: list[str] | None = None) -> int:
