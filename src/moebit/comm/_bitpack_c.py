@@ -18,7 +18,6 @@ Bit convention everywhere: bit k of byte j holds element 8*j+k, set where the va
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
 import platform
@@ -306,6 +305,8 @@ def load() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + platform.machine()).encode()).hexdigest()
     try:
+        import fcntl  # POSIX only, like the rest of this path
+
         d = _cache_dir()
         path = os.path.join(d, f"libmoebit_bitpack_{key[:16]}.so")
         if not os.path.exists(path):
