@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -28,10 +31,24 @@ def path(request, monkeypatch):
     return request.param
 
 
-def test_native_kernels_build_where_gcc_exists():
+def test_native_kernels_build_from_scratch_where_gcc_exists(tmp_path):
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler here")
     assert bitpack.native_available()
+    # a clean machine: empty cache, the kernels compile at first use
+    code = "from moebit.comm import bitpack; assert bitpack.native_available()"
+    env = {**os.environ, "MOEBIT_NATIVE_CACHE": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-W", "error", "-c", code], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert len(list(tmp_path.glob("libmoebit_bitpack_*.so"))) == 1
+
+
+def test_disabled_native_path_reports_itself(monkeypatch):
+    monkeypatch.setenv("MOEBIT_NATIVE", "0")
+    monkeypatch.setattr(_bitpack_c, "_tried", False)
+    monkeypatch.setattr(_bitpack_c, "_lib", None)
+    assert _bitpack_c.load() is None
 
 
 @pytest.mark.parametrize("n", LENGTHS)
