@@ -77,3 +77,45 @@ def test_torchrun_args_single_and_multi_node(tmp_path: Path):
     assert multi[multi.index("--rdzv-endpoint") + 1] == "127.0.0.1:1234"
     with pytest.raises(UsageError, match="rdzv-endpoint"):
         torchrun_args({"nnodes": 2}, tmp_path / "c.json")
+
+
+def test_launch_refuses_bad_data_before_writing_anything(tmp_path: Path):
+    from moebit.cli import launch_training
+    from moebit.data import CorpusError
+
+    binary = tmp_path / "x.bin"
+    binary.write_bytes(b"\x00\xff" * 100)
+    run = tmp_path / "run"
+    for data in (binary, tmp_path / "missing.txt"):
+        cfg, launch = parse_train_args(["--data", str(data), "--run-dir", str(run)])
+        with pytest.raises(CorpusError):
+            launch_training(cfg, launch)
+        assert not run.exists(), "nothing may be written for a run that cannot start"
+
+
+def test_unwritable_run_dir_and_port_in_use(tmp_path: Path):
+    import socket
+
+    from moebit.cli import check_rendezvous_port, prepare_run_dir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg, _ = parse_train_args(["--run-dir", str(blocker / "run")])
+    with pytest.raises(UsageError, match="not writable"):
+        prepare_run_dir(cfg)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(UsageError, match=f"port {port} is already in use"):
+            check_rendezvous_port({"nnodes": 2, "node_rank": 0,
+                                   "rdzv_endpoint": f"127.0.0.1:{port}"})
+
+
+def test_existing_run_is_not_overwritten(tmp_path: Path):
+    from moebit.cli import prepare_run_dir
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    cfg, _ = parse_train_args(["--run-dir", str(tmp_path)])
+    with pytest.raises(UsageError, match="already holds a run"):
+        prepare_run_dir(cfg)

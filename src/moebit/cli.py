@@ -130,11 +130,35 @@ def torchrun_args(launch: dict[str, Any], config_path: Path) -> list[str]:
     return args + ["--module", "moebit.train", "--resolved-config", str(config_path)]
 
 
+def check_rendezvous_port(launch: dict[str, Any]) -> None:
+    """On the node that hosts the rendezvous, fail early and clearly if its port is taken."""
+    import socket
+
+    if int(launch.get("nnodes", 1)) <= 1 or int(launch.get("node_rank", 0)) != 0:
+        return
+    host, _, port = str(launch.get("rdzv_endpoint", "")).rpartition(":")
+    if not port.isdigit():
+        raise UsageError(f"--rdzv-endpoint {launch.get('rdzv_endpoint')!r}: expected HOST:PORT")
+    if host not in ("127.0.0.1", "localhost", socket.gethostname(), "0.0.0.0", ""):
+        return  # another machine's address: it hosts the store
+    with socket.socket() as s:
+        try:
+            s.bind(("" if host == "0.0.0.0" else "127.0.0.1", int(port)))
+        except OSError:
+            raise UsageError(
+                f"--rdzv-endpoint {launch['rdzv_endpoint']}: port {port} is already in use "
+                "on this machine; pick a free port") from None
+
+
 def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
     """Run the ranks through torch.distributed.run; returns the run folder."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from moebit.data import check_path
+
+    check_path(cfg.data)  # before anything is written or launched
+    check_rendezvous_port(launch)
     run_dir = prepare_run_dir(cfg)
     args = torchrun_args(launch, run_dir / "config.json")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks set their own thread count

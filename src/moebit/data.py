@@ -89,6 +89,27 @@ def _resolve(path: str) -> tuple[Path, list[Path], bool]:
     return p, files, False
 
 
+def check_path(path: str | None) -> None:
+    """Cheap up-front check of ``--data`` (before any rank starts or any file is written).
+
+    Resolves the path and sniffs files until one text file is found; a named binary
+    file, a missing path or a corpus without text raise ``CorpusError`` naming it.
+    """
+    if path is None:
+        return
+    _, files, explicit = _resolve(path)
+    for f in files:
+        with open(f, "rb") as fh:
+            head = fh.read(_SNIFF_BYTES)
+        if _looks_binary(head):
+            if explicit:
+                raise CorpusError(f"--data {path!r}: {f} looks binary, not text")
+            continue
+        if head:
+            return
+    raise CorpusError(f"corpus {path!r} holds no text (no non-empty text files)")
+
+
 def load_corpus(path: str | None = None) -> Corpus:
     """Read a corpus: the stdlib by default, else a text file, a folder, or a glob.
 

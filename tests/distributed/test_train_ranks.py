@@ -2,8 +2,10 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,14 +102,24 @@ def test_cli_two_nodes_train_together(tmp_path: Path, small_corpus: Path):
               "--steps", "10", "--eval-every", "10", "--eval-batches", "1", "--samples", "0",
               "--dtype", "fp32"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs = [
-        subprocess.Popen(
+
+    def launch(i: int) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, "-m", "moebit.cli", "train", *common, "--node-rank", str(i),
              "--run-dir", str(run_dir / f"node{i}")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )
-        for i in range(2)
-    ]
+
+    # On one machine both launchers could host the store; on real clusters node 1 is
+    # elsewhere. Start node 0 first and let it bind the rendezvous port.
+    procs = [launch(0)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and procs[0].poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    procs.append(launch(1))
     outs = []
     try:
         for p in procs:
