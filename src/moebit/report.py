@@ -55,6 +55,7 @@ def summarize(run: Path) -> dict[str, Any]:
     return {
         "run": label_of(run),
         "params": start.get("n_params"),
+        "expert_params": start.get("n_expert_params") or 0,
         "steps": end["steps"] if end else (trains[-1]["step"] if trains else 0),
         "val_loss": val,
         "unigram": start.get("unigram_entropy"),
@@ -68,14 +69,15 @@ def summarize(run: Path) -> dict[str, Any]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
-    cols = ["run", "params", "steps", "val_loss", "vs first", "tokens/s", "MB sent",
-            "bytes vs first", "wall s"]
+    cols = ["run", "params", "expert params", "steps", "val_loss", "vs first", "tokens/s",
+            "MB sent", "bytes vs first", "wall s"]
     lines = []
     for r in rows:
         rel = r["val_loss"] / base["val_loss"] if base["val_loss"] else math.nan
         vol = (base["MB_sent"] / r["MB_sent"]) if r["MB_sent"] else math.inf
         lines.append([
-            r["run"], f"{r['params'] / 1e6:.2f}M" if r["params"] else "?", str(r["steps"]),
+            r["run"], f"{r['params'] / 1e6:.2f}M" if r["params"] else "?",
+            f"{r['expert_params'] / 1e6:.2f}M", str(r["steps"]),
             f"{r['val_loss']:.4f}", f"{rel:.4f}",
             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "?",
             f"{r['MB_sent']:.1f}", f"{vol:.2f}x fewer" if r is not base else "-",

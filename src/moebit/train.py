@@ -220,6 +220,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
               "world_size": info.world_size, "resharded": resumed.resharded})
     else:
         emit({"kind": "start", "n_params": n_params, "world_size": info.world_size,
+              "n_expert_params": model.num_expert_params(),
               "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
               "corpus": corpus.source, "train_bytes": len(corpus.train),
               "val_bytes": len(corpus.val), "threads": torch.get_num_threads()})
