@@ -34,10 +34,11 @@ Why these choices:
   so the rule freezes by step ~1000 (β2=0.999, defaults) unless gradients still grow
   5-fold: the freeze step does not depend on the run length; ``min_steps`` (e.g.
   15% of a known run length) and ``max_steps`` bound it from outside.
-- Measured (``python -m moebit.bench.freeze``, docs/optimizers.md): on a byte-level LM,
-  drift ≈ 0.4·window/t; fixed freezes at 5% of 1200 steps (drift ~0.4) cost +4.8% of
-  validation loss, at 10% (drift ~0.25) and later nothing; the default threshold 0.1
-  froze at step 300 (25%), as good as Adam with 3.7x fewer bytes.
+- Measured (``python -m moebit.bench.freeze``, docs/optimizers.md, two seeds): on a
+  byte-level LM, drift ≈ 0.4·window/t; a fixed freeze at 5% of 1200 steps (drift ~0.4)
+  cost 5-8% of validation loss, at 10% (drift ~0.25) about 1%, from 20% on nothing; the
+  default threshold 0.1 froze at step 300 (25%) on both seeds, as good as Adam with
+  3.7x fewer bytes.
 
 Every rank must take the same decision (a mismatch hangs the collectives of the two
 stages). In warm-up, gradients are averaged over each group, so v is identical on the
