@@ -1,0 +1,146 @@
+"""``moebit distill``: Mixture-of-Students from a trained teacher run.
+
+    moebit distill --teacher runs/prmoe --student-layers 6 --steps 300 --run-dir runs/mos
+    moebit distill --teacher runs/prmoe --student-layers 6 --no-kd --run-dir runs/nokd  # baseline
+    moebit report runs/prmoe runs/mos runs/nokd
+
+The student takes the teacher's configuration (widths, experts, MoE settings, data,
+optimizer, schedule) with fewer blocks; training flags override the teacher's values,
+model-shape flags are refused. Ranks are launched through torch.distributed.run exactly
+as ``moebit train`` launches them, each running ``python -m moebit.distill``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from moebit.cli import INTERNAL_FIELDS, LAUNCH_FLAGS, UsageError, prepare_run_dir, torchrun_args
+from moebit.config import TrainConfig
+from moebit.distill import (
+    DISTILL_FILE,
+    FIXED_BY_TEACHER,
+    DistillConfig,
+    load_teacher_config,
+    student_train_config,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="moebit distill", argument_default=argparse.SUPPRESS, allow_abbrev=False,
+        description="Distil a teacher run into a shallower student (Mixture-of-Students).",
+    )
+    kd = ap.add_argument_group("distillation")
+    kd.add_argument("--teacher", required=True, metavar="RUN", help="the teacher's run folder")
+    kd.add_argument("--student-layers", required=True, type=int, help="blocks of the student")
+    kd.add_argument("--keep-layers", metavar="I,J,...",
+                    help="teacher block for each student block (default: keep relative depth, "
+                         "see docs/distillation.md)")
+    kd.add_argument("--kd-weight", type=float, help="weight of the KD term (default 1.0)")
+    kd.add_argument("--temperature", type=float, help="softmax temperature T (default 1.0)")
+    kd.add_argument("--kd-stop-fraction", type=float,
+                    help="KD for this fraction of the steps, then LM loss only (default 0.5)")
+    kd.add_argument("--no-kd", action="store_true", help="baseline: same init and steps, no KD")
+    kd.add_argument("--teacher-dtype", choices=("bf16", "fp32"),
+                    help="autocast dtype of the teacher's forward pass (default bf16)")
+    launch = ap.add_argument_group("launch (torchrun)")
+    launch.add_argument("--nproc", type=int, help="ranks on this machine (default 2)")
+    launch.add_argument("--nnodes", type=int, help="machines taking part (default 1)")
+    launch.add_argument("--node-rank", type=int, help="this machine's index (multi-node)")
+    launch.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (multi-node)")
+    launch.add_argument("--rdzv-id", help="rendezvous id shared by all nodes")
+    launch.add_argument("--max-restarts", type=int, help="restart failed ranks this many times")
+    tr = ap.add_argument_group("training (default: the teacher's settings)")
+    for f in fields(TrainConfig):
+        if f.name in INTERNAL_FIELDS or f.name in FIXED_BY_TEACHER:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            tr.add_argument(flag, action=argparse.BooleanOptionalAction)
+        else:
+            tr.add_argument(flag, metavar=f.name.upper())
+    return ap
+
+
+def _keep_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--keep-layers {text!r}: expected comma-separated block numbers") from None
+
+
+def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, Any]]:
+    ap = _parser()
+    try:
+        ns, unknown = ap.parse_known_args(argv)
+    except SystemExit as e:
+        raise UsageError("bad arguments to moebit distill (see above)") from e
+    if unknown:
+        fixed = {"--" + k.replace("_", "-") for k in FIXED_BY_TEACHER}
+        flag = unknown[0].split("=")[0]
+        if flag in fixed:
+            raise UsageError(f"{flag} cannot be set for a student: model shapes come from the "
+                             "teacher (choose depth with --student-layers / --keep-layers)")
+        raise UsageError(f"unknown flag {unknown[0]!r} for moebit distill (see moebit distill --help)")
+    given = vars(ns)
+    launch = {k: given.pop(k) for k in LAUNCH_FLAGS if k in given}
+    dvals: dict[str, Any] = {"teacher": given.pop("teacher"),
+                             "student_layers": given.pop("student_layers")}
+    for k in ("kd_weight", "temperature", "kd_stop_fraction", "no_kd", "teacher_dtype"):
+        if k in given:
+            dvals[k] = given.pop(k)
+    if "keep_layers" in given:
+        dvals["keep_layers"] = _keep_list(given.pop("keep_layers"))
+    dcfg = DistillConfig(**dvals).validate()
+    t_cfg, _ = load_teacher_config(dcfg.teacher)
+    cfg, keep = student_train_config(t_cfg, dcfg, given)
+    dcfg.keep_layers = keep
+    if cfg.run_dir is None:
+        cfg.run_dir = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-distill"
+    return cfg, dcfg, launch
+
+
+def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]) -> Path:
+    """Write the run folder and run the ranks through torch.distributed.run."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from moebit.checkpoint import write_text_atomic
+
+    run_dir = prepare_run_dir(cfg)
+    write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
+    args = torchrun_args(launch, run_dir / "config.json")
+    at = args.index("--module")
+    args = args[:at] + ["--module", "moebit.distill", "--resolved-config", str(run_dir / "config.json")]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"moebit distill: run folder {run_dir}; student blocks from teacher blocks "
+          f"{dcfg.keep_layers}", file=sys.stderr)
+    try:
+        run(get_args_parser().parse_args(args))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        detail = failure.message if isinstance(failure.message, str) else ""
+        raise RuntimeError(f"distillation failed: rank {rank} ({how}); the other ranks were stopped"
+                           + (f"\n{detail}" if detail else "")) from None
+    return run_dir
+
+
+def main(argv: list[str]) -> int:
+    cfg, dcfg, launch = parse_args(list(argv))
+    run_dir = launch_distill(cfg, dcfg, launch)
+    print(f"moebit distill: done; metrics and plots in {run_dir} "
+          f"(compare: moebit report {dcfg.teacher} {run_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
