@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "auto": auto, "choices": ["adam", *[str(f) for f in fractions], "auto"],
     }
     t0 = time.perf_counter()
-    results = run_on_ranks(_run_all, world=args.world, args=(opts,), timeout=args.timeout)[0]
+    if args.world == 1:  # in this process: no compression happens, but the rule still runs
+        results = _run_all(0, 1, opts)
+    else:
+        results = run_on_ranks(_run_all, world=args.world, args=(opts,), timeout=args.timeout)[0]
     adam = results[0]["val_loss"]
     print(f"{args.world} ranks, {args.steps} steps, lr {args.lr}, "
           f"{time.perf_counter() - t0:.0f} s in all")
