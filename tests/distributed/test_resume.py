@@ -1,12 +1,13 @@
 """Checkpoints: bit-exact resume, atomic commit, corruption detection, NaN handling."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from moebit.checkpoint import latest
+from moebit.checkpoint import CheckpointError, latest
 from moebit.config import build
 from moebit.testing import RankFailed, run_on_ranks
 
@@ -54,53 +55,104 @@ def test_resume_is_bit_exact(small_corpus: Path, tmp_path: Path, optimizer: str)
     assert [r["step"] for r in recs if r["kind"] == "train"] == [4, 6, 8, 12]
 
 
-def test_keep_last_k_and_manifest_commit(small_corpus: Path, tmp_path: Path):
+@pytest.fixture(scope="module")
+def saved_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-rank run with checkpoints every 3 steps (the last 2 kept)."""
+    run = tmp_path_factory.mktemp("saved") / "run"
     run_on_ranks(_run, 2, args=(cfg_for(small_corpus, save_every=3, keep_checkpoints=2),
-                                str(tmp_path)), timeout=120)
-    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+                                str(run)), timeout=120)
+    return run
+
+
+def test_keep_last_k_and_manifest_commit(saved_run: Path):
+    kept = sorted(p.name for p in (saved_run / "checkpoints").iterdir())
     assert kept == ["step-00000009", "step-00000012"]
-    # A folder without a manifest (a save interrupted before its commit) is ignored.
-    (tmp_path / "checkpoints" / "step-00000015").mkdir()
-    assert latest(tmp_path).name == "step-00000012"
+    manifest = json.loads((saved_run / "checkpoints/step-00000012/manifest.json").read_text())
+    assert set(manifest["files"]) == {"rank-00000.pt", "rank-00001.pt"}
+    assert manifest["world_size"] == 2 and manifest["step"] == 12
+
+
+def test_folder_without_manifest_is_ignored(saved_run: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    # A save interrupted before its commit: shard files but no manifest.
+    partial = run / "checkpoints" / "step-00000015"
+    partial.mkdir()
+    shutil.copy(run / "checkpoints/step-00000012/rank-00000.pt", partial)
+    assert latest(run).name == "step-00000012"
+
+
+def _restore_in_process(run: Path, cfg: dict, rank: int, world: int):
+    """Restore into fresh objects as rank ``rank`` would (same-size resume: no collectives)."""
+    from moebit.data import TrainBatches, load_corpus
+    from moebit.distributed import DistInfo
+    from moebit.models.gpt import GPT
+    from moebit.train import make_optimizer, param_groups
+    from moebit.train_checkpoint import restore
+
+    c = build(cfg)
+    model = GPT(c.model_config())
+    opt = make_optimizer(c, param_groups(model, c))
+    batches = TrainBatches(load_corpus(c.data).train, c.block_size, c.batch_size, c.seed, rank)
+    info = DistInfo(rank, world, rank, torch.device("cpu"), None)
+    return restore(run, model, opt, batches, info, c)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
-def test_damaged_shard_is_named(small_corpus: Path, tmp_path: Path, damage: str):
-    run_on_ranks(_run, 2, args=(cfg_for(small_corpus, steps=4), str(tmp_path)), timeout=120)
-    shard = latest(tmp_path) / "rank-00001.pt"
+def test_damaged_shard_is_named(saved_run: Path, small_corpus: Path, tmp_path: Path, damage: str):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    shard = latest(run) / "rank-00001.pt"
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
         shard.write_bytes(bytes(data[: len(data) // 2]))
     else:
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
-    with pytest.raises(RankFailed, match="rank-00001.pt is (truncated|corrupted)"):
-        run_on_ranks(_run, 2, args=(cfg_for(small_corpus, steps=8, resume=True),
-                                    str(tmp_path)), timeout=120)
+    cfg = cfg_for(small_corpus, resume=True)
+    assert _restore_in_process(run, cfg, 0, 2).step == 12  # rank 0's own shard is fine
+    with pytest.raises(CheckpointError, match="rank-00001.pt is (truncated|corrupted)"):
+        _restore_in_process(run, cfg, 1, 2)
 
 
 def test_resume_without_checkpoint_is_an_error(small_corpus: Path, tmp_path: Path):
-    with pytest.raises(RankFailed, match="no complete checkpoint"):
-        run_on_ranks(_run, 1, args=(cfg_for(small_corpus, resume=True), str(tmp_path)),
-                     timeout=60)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        _restore_in_process(tmp_path, cfg_for(small_corpus, resume=True), 0, 1)
 
 
-def test_resume_into_another_model_is_an_error(small_corpus: Path, tmp_path: Path):
-    run_on_ranks(_run, 1, args=(cfg_for(small_corpus, steps=2), str(tmp_path)), timeout=60)
-    with pytest.raises(RankFailed, match="another model.*d_model"):
-        run_on_ranks(_run, 1, args=(cfg_for(small_corpus, steps=4, d_model=64, resume=True),
-                                    str(tmp_path)), timeout=60)
+def test_resume_into_another_model_is_an_error(saved_run: Path, small_corpus: Path):
+    with pytest.raises(CheckpointError, match="another model.*d_model"):
+        _restore_in_process(saved_run, cfg_for(small_corpus, d_model=64, resume=True), 0, 2)
 
 
-def test_reshard_dense_two_ranks_to_one(small_corpus: Path, tmp_path: Path):
-    run_on_ranks(_run, 2, args=(cfg_for(small_corpus, steps=4), str(tmp_path)), timeout=120)
-    before = final_params(tmp_path, 1)[0]
-    run_on_ranks(_run, 1, args=(cfg_for(small_corpus, steps=4, resume=True), str(tmp_path)),
+def test_reshard_dense_two_ranks_to_one(saved_run: Path, small_corpus: Path, tmp_path: Path):
+    """2 ranks -> 1: the weights and Adam's moments carry over, and training continues."""
+    from moebit.data import TrainBatches, load_corpus
+    from moebit.distributed import DistInfo
+    from moebit.models.gpt import GPT
+    from moebit.train import make_optimizer, param_groups
+    from moebit.train_checkpoint import restore
+
+    c = build(cfg_for(small_corpus, resume=True))
+    model = GPT(c.model_config())
+    opt = make_optimizer(c, param_groups(model, c))
+    batches = TrainBatches(load_corpus(c.data).train, c.block_size, c.batch_size, c.seed, 0)
+    with pytest.warns(UserWarning, match="redistributed"):
+        got = restore(saved_run, model, opt, batches, DistInfo(0, 1, 0, torch.device("cpu"), None), c)
+    assert got.resharded and got.step == 12
+    saved = torch.load(latest(saved_run) / "rank-00000.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved["model"][k]), k
+    first = next(iter(model.parameters()))
+    assert torch.equal(opt.state[first]["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    run_on_ranks(_run, 1, args=(cfg_for(small_corpus, steps=14, resume=True), str(run)),
                  timeout=60)
-    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "resume" and r["resharded"] for r in recs)
-    after = final_params(tmp_path, 1)[0]
-    _assert_same([before], [after])  # nothing left to train: the weights carried over
+    assert recs[-1]["kind"] == "end" and latest(run).name == "step-00000014"
 
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
