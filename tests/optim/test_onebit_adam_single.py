@@ -52,6 +52,21 @@ def test_warmup_is_torch_adam_bit_for_bit(weight_decay: float) -> None:
     assert opt.comm_stage == "warmup" and opt.frozen_at is None
 
 
+def test_chunked_update_of_a_large_parameter_is_still_torch_adam() -> None:
+    torch.manual_seed(0)
+    w_ref = torch.nn.Parameter(torch.randn(700, 600))  # > _CHUNK elements: updated in chunks
+    w = torch.nn.Parameter(w_ref.detach().clone())
+    opt_ref = torch.optim.AdamW([w_ref], lr=1e-2, weight_decay=0.1)
+    opt = OnebitAdam([w], lr=1e-2, weight_decay=0.1, freeze_step=100)
+    for _ in range(3):
+        g = torch.randn(700, 600)
+        w_ref.grad, w.grad = g, g.clone()
+        opt_ref.step()
+        opt.step()
+    assert torch.equal(w_ref, w)
+    assert w.grad is not None and torch.equal(w.grad, g)  # one rank: the average is itself
+
+
 def test_freeze_folds_bias_correction_and_keeps_v_fixed() -> None:
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=5)

@@ -48,6 +48,8 @@ from moebit.optim.freeze import AutoFreeze
 
 logger = logging.getLogger("moebit.optim")
 
+_CHUNK = 1 << 18  # elements per temporary in the update (1 MiB of fp32)
+
 
 class FreezableHookState(Protocol):
     """What the optimizer needs from a DDP comm-hook state: a way to silence it."""
@@ -301,25 +303,24 @@ class OnebitAdam(Optimizer):
                     self._compressed_bucket(gi, group, b, t)
         return loss
 
-    def _flat_grad(self, b: _Bucket) -> torch.Tensor:
-        """The bucket's gradients as one flat tensor; a missing gradient counts as zero.
+    def _grads(self, b: _Bucket) -> list[torch.Tensor]:
+        """The bucket's gradients, one per param; a missing gradient counts as zero.
 
         Zero rather than "skip": with data parallelism every rank must run the same
         collectives on the same layout, whether or not its batch touched a parameter.
         """
-        parts = []
+        grads = []
         for p in b.params:
             g = p.grad
             if g is None:
-                parts.append(torch.zeros(p.numel(), device=p.device, dtype=p.dtype))
-                continue
-            if g.is_sparse:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
                 raise RuntimeError(
                     "OnebitAdam does not support sparse gradients (use dense embeddings, "
                     "e.g. nn.Embedding(sparse=False))"
                 )
-            parts.append(g.reshape(-1).to(p.dtype))
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            grads.append(g)
+        return grads
 
     def _corrections(self, group: dict[str, Any], t: int) -> tuple[float, float]:
         if not self.bias_correction:
@@ -328,23 +329,24 @@ class OnebitAdam(Optimizer):
         return 1.0 - b1**t, 1.0 - b2**t
 
     def _warmup_bucket(self, group: dict[str, Any], b: _Bucket, t: int) -> None:
-        g = self._flat_grad(b)
+        """Adam on averaged gradients; after it, ``p.grad`` holds the average (as with DDP)."""
+        grads = self._grads(b)
         pg = self._group_pg(group)
         if not self.grads_averaged_externally and mdist.world_size(pg) > 1:
-            mdist.allreduce_mean_([g], pg, op_name="onebit_adam.warmup")
+            mdist.allreduce_mean_(grads, pg, op_name="onebit_adam.warmup")
         b1, b2 = group["betas"]
-        b.exp_avg.lerp_(g, 1.0 - b1)
-        b.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        del g
+        torch._foreach_lerp_(b.m_views, grads, 1.0 - b1)
+        torch._foreach_mul_(b.v_views, b2)
+        torch._foreach_addcmul_(b.v_views, grads, grads, value=1.0 - b2)
+        del grads
         bc1, bc2 = self._corrections(group, t)
-        denom = (b.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(group["eps"])
-        self._apply(group, b, denom, group["lr"] / bc1)
+        self._apply(group, b, group["lr"] / bc1, math.sqrt(bc2))
 
     def _compressed_bucket(self, gi: int, group: dict[str, Any], b: _Bucket, t: int) -> None:
-        g = self._flat_grad(b)
+        grads = self._grads(b)
         b1, _ = group["betas"]
-        b.exp_avg.lerp_(g, 1.0 - b1)
-        del g
+        torch._foreach_lerp_(b.m_views, grads, 1.0 - b1)
+        del grads
         pg = self._group_pg(group)
         if mdist.world_size(pg) > 1:
             # In place: the compressor keeps its own copy of what it has not yet delivered.
@@ -354,17 +356,34 @@ class OnebitAdam(Optimizer):
             if mask is not None:
                 mv.mul_(mask)
         bc1, _ = self._corrections(group, t)
-        denom = b.exp_avg_sq.sqrt().add_(group["eps"])  # v̂ was bias-corrected at the freeze
-        self._apply(group, b, denom, group["lr"] / bc1)
+        self._apply(group, b, group["lr"] / bc1, None)  # v̂ was bias-corrected at the freeze
 
     def _apply(
-        self, group: dict[str, Any], b: _Bucket, denom: torch.Tensor, step_size: float
+        self, group: dict[str, Any], b: _Bucket, step_size: float, bc2_sqrt: float | None
     ) -> None:
-        """p = p·(1 - lr·wd) - step_size·m/denom, with torch Adam's exact operations."""
+        """p = p·(1 - lr·wd) - step_size·m/(sqrt(v)/bc2_sqrt + eps), torch Adam's exact ops.
+
+        The denominator is built per parameter and in chunks of at most ``_CHUNK``
+        elements: a fresh allocation of the whole bucket would be a fresh mmap on every
+        step, whose page faults cost more on CPU than all the arithmetic here; small
+        temporaries are recycled by the allocator.
+        """
         if group["weight_decay"] != 0.0:
             torch._foreach_mul_(b.params, 1.0 - group["lr"] * group["weight_decay"])
-        d_views = [d.view_as(p) for d, p in zip(denom.split(b.sizes), b.params, strict=True)]
-        torch._foreach_addcdiv_(b.params, b.m_views, d_views, value=-step_size)
+        eps = group["eps"]
+        for p, m, v in zip(b.params, b.m_views, b.v_views, strict=True):
+            if p.numel() > _CHUNK and p.is_contiguous():
+                pairs = zip(
+                    p.view(-1).split(_CHUNK), m.view(-1).split(_CHUNK), v.view(-1).split(_CHUNK),
+                    strict=True,
+                )
+            else:
+                pairs = iter([(p, m, v)])
+            for pc, mc, vc in pairs:
+                denom = vc.sqrt()
+                if bc2_sqrt is not None:
+                    denom = denom / bc2_sqrt
+                pc.addcdiv_(mc, denom.add_(eps), value=-step_size)
 
     def _compressor(self, gi: int, pg: dist.ProcessGroup | None) -> Any:
         comp = self._compressors.get(gi)
