@@ -61,6 +61,8 @@ from moebit.comm import stats
 
 logger = logging.getLogger("moebit.optim")
 
+_CHUNK = 1 << 18  # elements per temporary (1 MiB of fp32)
+
 
 @dataclass
 class AutoFreeze:
@@ -118,19 +120,31 @@ class AutoFreeze:
         if step < self.min_steps - self.window or step % self.window != 0:
             return False
         scale = 1.0 / bias_correction2
-        roots = [v.mul(scale).sqrt_() for v in exp_avg_sqs]
+        compare = self.snapshot is not None and step - self.snapshot_step == self.window
+        if self.snapshot is None or [t.shape for t in self.snapshot] != [
+            v.shape for v in exp_avg_sqs
+        ]:
+            self.snapshot = [torch.empty_like(v) for v in exp_avg_sqs]
+            compare = False
+        device = exp_avg_sqs[0].device
+        moved = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        # Chunk by chunk, overwriting the snapshot in place: no model-sized temporaries.
+        for v, snap in zip(exp_avg_sqs, self.snapshot, strict=True):
+            for vc, sc in zip(v.reshape(-1).split(_CHUNK), snap.view(-1).split(_CHUNK),
+                              strict=True):
+                root = vc.mul(scale).sqrt_()
+                if compare:
+                    moved += (root - sc).abs_().sum(dtype=torch.float64)
+                    total += root.sum(dtype=torch.float64)
+                sc.copy_(root)
         decided = False
-        if self.snapshot is not None and step - self.snapshot_step == self.window:
-            moved = torch.zeros((), dtype=torch.float64)
-            total = torch.zeros((), dtype=torch.float64)
-            for now, before in zip(roots, self.snapshot, strict=True):
-                moved += (now - before).abs_().sum(dtype=torch.float64).cpu()
-                total += now.sum(dtype=torch.float64).cpu()
+        if compare:
             rising = float(lr is not None and self.last_lr is not None and lr > self.last_lr)
             sums = _sum_over(
-                torch.stack([moved, total, torch.tensor(rising, dtype=torch.float64)]),
+                torch.stack([moved.cpu(), total.cpu(), torch.tensor(rising, dtype=torch.float64)]),
                 group,
-                roots[0].device,
+                device,
             )
             drift = float(sums[0] / sums[1].clamp_min(1e-300))
             self.last_drift = drift
@@ -139,7 +153,8 @@ class AutoFreeze:
                 self.quiet_checks = self.quiet_checks + 1 if quiet else 0
                 decided = self.quiet_checks >= self.patience
             logger.debug("auto freeze check at step %d: drift %.4g", step, drift)
-        self.snapshot = None if decided else roots
+        if decided:
+            self.snapshot = None
         self.snapshot_step = step
         self.last_lr = lr
         return decided
