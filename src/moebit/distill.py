@@ -53,7 +53,11 @@ class DistillConfig:
     keep_layers: list[int] | None = None  # teacher block for each student block; None: choose_layers
     kd_weight: float = 1.0
     temperature: float = 1.0
-    kd_stop_fraction: float = 0.5  # KD on for the first round(fraction * steps) steps
+    kd_stop_fraction: float = 0.5  # KD on for the first round(fraction * steps) steps at most
+    # "fraction": stop exactly there; "catch-up": also stop at the first check (every
+    # kd_check_every steps) where the student's validation loss is <= the teacher's
+    kd_stop_rule: str = "fraction"
+    kd_check_every: int = 10
     no_kd: bool = False  # baseline: the same init and steps, LM + aux loss only
     teacher_dtype: str = "bf16"  # autocast dtype of the teacher's forward pass
 
@@ -66,6 +70,10 @@ class DistillConfig:
             raise DistillError(f"--temperature must be positive, got {self.temperature}")
         if not 0.0 <= self.kd_stop_fraction <= 1.0:
             raise DistillError(f"--kd-stop-fraction must be in [0, 1], got {self.kd_stop_fraction}")
+        if self.kd_stop_rule not in ("fraction", "catch-up"):
+            raise DistillError(f"--kd-stop must be fraction or catch-up, got {self.kd_stop_rule!r}")
+        if self.kd_check_every < 1:
+            raise DistillError(f"--kd-check-every must be >= 1, got {self.kd_check_every}")
         if self.teacher_dtype not in ("bf16", "fp32"):
             raise DistillError(f"--teacher-dtype must be bf16 or fp32, got {self.teacher_dtype!r}")
         return self
@@ -341,6 +349,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.block_size * info.world_size
     kd_steps = dcfg.kd_steps(cfg.steps)
+    kd_on, kd_used = kd_steps > 0, 0
     t_dtype = "bf16" if dcfg.teacher_dtype == "bf16" else "fp32"
 
     log = (run_dir / "metrics.jsonl").open("a") if info.is_main else None
@@ -361,9 +370,11 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
           "teacher_step": teacher_step, "teacher_params": teacher.num_params(),
           "teacher_layers": teacher.config.n_layer, "keep_layers": keep,
           "teacher_val_loss": teacher_val, "init_val_loss": init_val, "kd_steps": kd_steps,
-          "kd_weight": 0.0 if dcfg.no_kd else dcfg.kd_weight, "temperature": dcfg.temperature})
-    if dcfg.no_kd:
-        emit({"kind": "kd_stop", "step": 0, "reason": "--no-kd: LM + aux loss from the start"})
+          "kd_stop_rule": dcfg.kd_stop_rule, "kd_weight": 0.0 if dcfg.no_kd else dcfg.kd_weight,
+          "temperature": dcfg.temperature})
+    if not kd_on:
+        why = "--no-kd" if dcfg.no_kd else f"--kd-stop-fraction {dcfg.kd_stop_fraction}"
+        emit({"kind": "kd_stop", "step": 0, "reason": f"{why}: LM + aux loss from the start"})
     bar = None
     if info.is_main:
         from tqdm import tqdm
@@ -377,11 +388,22 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     val_loss, last_moe = float("nan"), {}
     model.train()
     for step in range(cfg.steps):
-        if step == kd_steps and not dcfg.no_kd and kd_steps < cfg.steps:
-            emit({"kind": "kd_stop", "step": step, "fraction": dcfg.kd_stop_fraction,
+        if kd_on and step == kd_steps:
+            kd_on = False
+            emit({"kind": "kd_stop", "step": step, "rule": "fraction",
+                  "fraction": dcfg.kd_stop_fraction,
                   "reason": f"KD ran for round({dcfg.kd_stop_fraction} * {cfg.steps}) steps; "
                             "LM + aux loss only from here"})
-        use_kd = step < kd_steps
+        elif kd_on and dcfg.kd_stop_rule == "catch-up" and step and step % dcfg.kd_check_every == 0:
+            v = _caught_up(model, vbatches, cfg.dtype, info.device, teacher_val)
+            if v is not None:
+                kd_on = False
+                emit({"kind": "kd_stop", "step": step, "rule": "catch-up", "val_loss": v,
+                      "teacher_val_loss": teacher_val,
+                      "reason": "the student's validation loss reached the teacher's: KD can "
+                                "only pull it back; LM + aux loss only from here"})
+        use_kd = kd_on
+        kd_used += int(use_kd)
         t0 = time.perf_counter()
         lr = tr.lr_at(cfg, step)
         for g in opt.param_groups:
@@ -461,7 +483,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
         "train_time": train_time, "bytes_sent": total.bytes_sent, "bytes_recv": total.bytes_recv,
         "tokens_per_s": tokens_per_step * cfg.steps / max(train_time, 1e-9),
         "frozen_at": getattr(opt, "frozen_at", None), "nan_skipped": 0,
-        "kd_steps": kd_steps, "teacher_val_loss": teacher_val, "teacher_params": teacher.num_params(),
+        "kd_steps": kd_used, "teacher_val_loss": teacher_val, "teacher_params": teacher.num_params(),
         "val_vs_teacher": val_loss / teacher_val,
     }
     emit(summary)
@@ -471,6 +493,23 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
 
         plot_runs([run_dir], run_dir)
     return summary
+
+
+def _caught_up(model: GPT, vbatches: list[Any], dtype: str, device: torch.device,
+               teacher_val: float) -> float | None:
+    """The student's validation loss if it is <= the teacher's, else None.
+
+    Rank 0 decides and broadcasts: the ranks' losses agree only to rounding, and a rank
+    that stopped running the teacher while another still ran it would hang the teacher's
+    all-to-all.
+    """
+    from moebit.train import evaluate
+
+    v = evaluate(model, vbatches, dtype, device)
+    flag = torch.tensor([1.0 if v <= teacher_val else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(flag, src=0)
+    return v if flag.item() > 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     kd.add_argument("--temperature", type=float, help="softmax temperature T (default 1.0)")
     kd.add_argument("--kd-stop-fraction", type=float,
                     help="KD for this fraction of the steps, then LM loss only (default 0.5)")
+    kd.add_argument("--kd-stop", dest="kd_stop_rule", choices=("fraction", "catch-up"),
+                    help="fraction: KD stops at --kd-stop-fraction; catch-up: also as soon as the "
+                         "student's validation loss reaches the teacher's (default fraction)")
+    kd.add_argument("--kd-check-every", type=int,
+                    help="steps between catch-up checks (one validation pass each; default 10)")
     kd.add_argument("--no-kd", action="store_true", help="baseline: same init and steps, no KD")
     kd.add_argument("--teacher-dtype", choices=("bf16", "fp32"),
                     help="autocast dtype of the teacher's forward pass (default bf16)")
@@ -81,6 +86,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     try:
         ns, unknown = ap.parse_known_args(argv)
     except SystemExit as e:
+        if e.code == 0:  # --help
+            raise
         raise UsageError("bad arguments to moebit distill (see above)") from e
     if unknown:
         fixed = {"--" + k.replace("_", "-") for k in FIXED_BY_TEACHER}
@@ -93,7 +100,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     launch = {k: given.pop(k) for k in LAUNCH_FLAGS if k in given}
     dvals: dict[str, Any] = {"teacher": given.pop("teacher"),
                              "student_layers": given.pop("student_layers")}
-    for k in ("kd_weight", "temperature", "kd_stop_fraction", "no_kd", "teacher_dtype"):
+    for k in ("kd_weight", "temperature", "kd_stop_fraction", "kd_stop_rule", "kd_check_every",
+              "no_kd", "teacher_dtype"):
         if k in given:
             dvals[k] = given.pop(k)
     if "keep_layers" in given:

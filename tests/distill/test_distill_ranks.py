@@ -51,8 +51,14 @@ def distilled(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory):
                       kd_weight=1.0, temperature=2.0)
     cfg_b, keep = student_train_config(t_cfg, d, {"steps": 10, "log_every": 1, "eval_every": 5})
     d.keep_layers = keep
+    # (c) the catch-up rule: a full-depth copy of an undertrained teacher passes it within
+    #     a few steps of training on data; KD must stop at the first check where it has.
+    cu = DistillConfig(teacher=str(run), student_layers=4, kd_stop_fraction=1.0,
+                       kd_stop_rule="catch-up", kd_check_every=2)
+    cfg_c, _ = student_train_config(t_cfg, cu, {"steps": 8, "log_every": 1, "lr": 1e-2})
     jobs = [(cfg_a.to_dict(), full.to_dict(), str(root / "a")),
-            (cfg_b.to_dict(), d.to_dict(), str(root / "b"))]
+            (cfg_b.to_dict(), d.to_dict(), str(root / "b")),
+            (cfg_c.to_dict(), cu.to_dict(), str(root / "c"))]
     res = run_on_ranks(_teacher_then_students, 2, args=(t_cfg.to_dict(), str(run), jobs),
                        timeout=200)
     return run, root, res
@@ -64,7 +70,7 @@ def _records(run: Path) -> list[dict]:
 
 def test_ep2_distillation_stage_switch_and_sharded_init(distilled):
     _, root, res = distilled
-    (a0, b0), (a1, b1) = res
+    (a0, b0, _), (a1, b1, _) = res
     start_a = _records(root / "a")[0]
     assert start_a["init_val_loss"] == pytest.approx(start_a["teacher_val_loss"], abs=1e-5)
 
@@ -90,6 +96,19 @@ def test_ep2_distillation_stage_switch_and_sharded_init(distilled):
     experts = [k for k in s0 if ".experts." in k]
     assert experts and all(not torch.equal(s0[k], s1[k]) for k in experts)
     assert all(torch.equal(s0[k], s1[k]) for k in s0 if k not in experts)
+
+
+def test_catch_up_rule_stops_kd_when_the_student_reaches_the_teacher(distilled):
+    _, root, res = distilled
+    recs = _records(root / "c")
+    stops = [r for r in recs if r["kind"] == "kd_stop"]
+    assert len(stops) == 1 and stops[0]["rule"] == "catch-up", stops
+    at = stops[0]["step"]
+    assert at % 2 == 0 and 2 <= at < 8
+    assert stops[0]["val_loss"] <= recs[0]["teacher_val_loss"]
+    kd_steps = [r["step"] for r in recs if r["kind"] == "train" and "kd_loss" in r]
+    assert kd_steps == list(range(1, at + 1))
+    assert res[0][2]["kd_steps"] == at == res[1][2]["kd_steps"]
 
 
 def test_cli_launches_ranks_and_refuses_bad_students(distilled, tmp_path: Path):
