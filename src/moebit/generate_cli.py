@@ -1,0 +1,187 @@
+"""``moebit generate``: text from a trained run, on one rank or N (expert- and data-parallel).
+
+    moebit generate runs/a --prompt "def " --prompt "class " --max-new-tokens 200
+    moebit generate runs/a --prompt "def " --temperature 0            # greedy
+    moebit generate runs/a --prompts-file prompts.txt --batch 32 --nproc 2 --quantize int8
+
+With ``--nproc N`` the ranks are launched through torch.distributed.run, each re-running
+this module with ``--worker``: the prompts are split across ranks, and an MoE model's
+experts are split over ``--ep-size`` ranks (default N when every MoE layer's expert count
+divides by N), each rank holding E/ep of every layer and serving them to all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moebit.checkpoint import CheckpointError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moebit generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+                    help="a run folder (its newest checkpoint) or RUN/checkpoints/step-N")
+    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    ap.add_argument("--prompts-file", help="a text file with one prompt per line")
+    ap.add_argument("--max-new-tokens", type=int, default=120)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    ap.add_argument("--top-k", type=int, default=40, help="0 keeps every byte")
+    ap.add_argument("--batch", type=int, default=32, help="prompts decoded together per rank")
+    ap.add_argument("--stop", help="end a text once it ends with this string (e.g. '\\n\\n')")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
+    ap.add_argument("--ep-size", type=int, default=0,
+                    help="expert-parallel ranks (default: --nproc when the experts divide by it)")
+    ap.add_argument("--quantize", choices=("none", "int8"), default="none",
+                    help="int8: weight-only int8 experts (per-output-channel scales)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                    help="weights and activations of the whole model")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
+    ap.add_argument("--json", help="also write prompts, texts and timings to this JSON file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        p = Path(args.prompts_file)
+        if not p.is_file():
+            raise ValueError(f"--prompts-file {str(p)!r}: no such file")
+        prompts += [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line]
+    if not prompts:
+        raise ValueError("give at least one --prompt (or --prompts-file)")
+    return prompts
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Validate flags and the checkpoint before any rank starts; returns the ep size to use."""
+    from moebit.checkpoint import read_manifest
+    from moebit.inference import model_config_of, resolve_checkpoint
+
+    for name in ("max_new_tokens", "top_k", "ep_size", "threads"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.batch < 1 or args.nproc < 1:
+        raise ValueError("--batch and --nproc must be >= 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+    d = resolve_checkpoint(args.checkpoint)
+    cfg = model_config_of(read_manifest(d), d)
+    counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
+    if args.quantize == "int8" and not counts:
+        raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
+    ep = args.ep_size
+    if ep == 0:
+        ep = args.nproc if counts and all(e % args.nproc == 0 for e in counts) else 1
+    if ep > 1:
+        if not counts:
+            raise ValueError(f"--ep-size {ep}: {d} holds a dense model (no experts to split)")
+        if args.nproc % ep or any(e % ep for e in counts):
+            raise ValueError(f"--ep-size {ep} must divide --nproc {args.nproc} and every MoE "
+                             f"layer's expert count {counts}")
+    return ep
+
+
+def _run_rank(args: argparse.Namespace, ep: int) -> int:
+    from moebit.distributed import init_from_env
+    from moebit.inference import generate_tokens, load_model
+
+    if ep < 0:  # a launched rank: the parent checked everything
+        ep = args.ep_size
+    info = init_from_env("cpu")
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
+    try:
+        t0 = time.perf_counter()
+        model = load_model(args.checkpoint, ep_size=ep, rank=info.rank, dtype=DTYPES[args.dtype])
+        report = None
+        if args.quantize == "int8":
+            from moebit.quantize import quantize_experts_
+
+            report = quantize_experts_(model)
+        load_s = time.perf_counter() - t0
+        prompts = _prompts(args)
+        res = generate_tokens(
+            model, [list(p.encode("utf-8")) for p in prompts], args.max_new_tokens,
+            args.temperature, args.top_k or None, args.seed, args.batch,
+            args.stop.encode("utf-8") if args.stop else None,
+        )
+        if info.is_main:
+            texts = [bytes(t).decode("utf-8", errors="replace") for t in res.tokens]
+            for p, t in zip(prompts, texts, strict=True):
+                print(p + t)
+                print("-" * 40)
+            n_new = sum(len(t) for t in res.tokens)
+            busy = res.prefill_s + res.decode_s
+            summary = {
+                "ranks": info.world_size, "ep_size": ep, "quantize": args.quantize,
+                "dtype": args.dtype, "prompts": len(prompts), "new_tokens": n_new,
+                "load_s": round(load_s, 3), "rank0_prefill_s": round(res.prefill_s, 3),
+                "rank0_decode_s": round(res.decode_s, 3),
+                "rank0_ms_per_step": round(1e3 * res.decode_s / max(1, res.decode_steps), 2),
+                "tokens_per_s": round(n_new / busy, 1) if busy else None,
+            }
+            if report is not None:
+                summary["int8"] = str(report)
+            print(json.dumps(summary), file=sys.stderr)
+            if args.json:
+                Path(args.json).write_text(json.dumps(
+                    {"prompts": prompts, "texts": texts, **summary}, indent=2) + "\n")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+ARGS_ENV = "MOEBIT_GENERATE_ARGS"
+
+
+def _launch(args: argparse.Namespace, ep: int) -> int:
+    """Start --nproc ranks; the settings travel as JSON in the environment, not as argv,
+    where torchrun's parser would take ``--nproc`` for its own ``--nproc-per-node``."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[ARGS_ENV] = json.dumps({**vars(args), "ep_size": ep, "worker": True})
+    targs = ["--standalone", "--nproc-per-node", str(args.nproc), "--module", "moebit.generate_cli",
+             "--worker"]
+    try:
+        run(get_args_parser().parse_args(targs))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise RuntimeError(f"generation failed on rank {rank} (exit code {failure.exitcode}); "
+                           "see its error above") from None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--worker"]:  # a rank started by _launch
+        return _run_rank(argparse.Namespace(**json.loads(os.environ[ARGS_ENV])), -1)
+    args = parser().parse_args(argv)
+    try:
+        _prompts(args)
+        ep = _check(args)
+        if args.nproc == 1:
+            return _run_rank(args, ep)
+        return _launch(args, ep)
+    except (CheckpointError, ValueError) as e:
+        print(f"moebit generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
