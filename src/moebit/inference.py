@@ -135,6 +135,47 @@ def dropless(model: torch.nn.Module) -> Iterator[None]:
 # ----------------------------------------------------------------------------- decoding
 
 
+def route(moe: torch.nn.Module, x_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's eval-mode top-k choice (experts [S, k], weights [S, k]) without its losses
+    and statistics, which a decoding step has no use for and which cost about as much as
+    the routing itself at a few tokens. Same float32 router, softmax, top-k, normalisation."""
+    g, c = moe.gate, moe.config
+    with torch.autocast(device_type=x_SD.device.type, enabled=False):
+        probs_SE = torch.softmax(F.linear(x_SD.float(), g.router.weight.float()), dim=-1)
+        weight_SK, expert_SK = torch.topk(probs_SE, c.k, dim=-1)
+        if c.normalize_topk_weights and c.k > 1:
+            weight_SK = weight_SK / weight_SK.sum(-1, keepdim=True).clamp_min(1e-9)
+    return expert_SK, weight_SK
+
+
+def moe_infer(moe: torch.nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
+    """An ``MoE`` layer's output for tokens [S, d], dropless, through its own experts and
+    (expert parallel) its all-to-all; [0, d] still takes part in the collectives."""
+    from moebit.moe import expert_parallel_apply, permute, plan_dispatch, unpermute
+
+    expert_SK, weight_SK = route(moe, x_SD)
+    kept_SK = torch.ones_like(expert_SK, dtype=torch.bool)
+    plan = plan_dispatch(expert_SK, weight_SK, kept_SK, moe.config.num_experts)
+    x_ND = permute(x_SD, plan)
+    if moe.ep_groups is not None:
+        y_ND = expert_parallel_apply(x_ND, plan.counts_E, moe.experts, moe.ep_groups.ep_group)
+    else:
+        y_ND = moe.experts(x_ND, plan.counts)
+    return unpermute(y_ND, plan).to(x_SD.dtype)
+
+
+def ffn_infer(ffn: torch.nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
+    """A block's feed-forward output for inference: MoE and Residual MoE through ``moe_infer``."""
+    from moebit.moe import MoE, ResidualMoE
+
+    if isinstance(ffn, MoE):
+        return moe_infer(ffn, x_SD)
+    if isinstance(ffn, ResidualMoE):
+        c_S2 = torch.softmax(ffn.coef(x_SD), dim=-1)
+        return moe_infer(ffn.moe, x_SD) * c_S2[:, 0:1] + ffn.mlp(x_SD) * c_S2[:, 1:2]
+    return ffn(x_SD).hidden
+
+
 @dataclass
 class _Cache:
     """Preallocated keys/values for a batch: per block [B, H, T_max, Dh], ``filled`` columns used."""
@@ -197,9 +238,9 @@ def _forward(
         x_BTD = x_BTD + attn.proj(y.transpose(1, 2).reshape(b, t, d))
         h_ND = block.ln2(x_BTD).reshape(b * t, d)
         if all_rows:
-            x_BTD = x_BTD + block.ffn(h_ND).hidden.view(b, t, d)
+            x_BTD = x_BTD + ffn_infer(block.ffn, h_ND).view(b, t, d)
         else:
-            out_ND = block.ffn(h_ND.index_select(0, ffn_rows)).hidden
+            out_ND = ffn_infer(block.ffn, h_ND.index_select(0, ffn_rows))
             x_BTD = x_BTD.reshape(b * t, d).index_add(0, ffn_rows, out_ND.to(x_BTD.dtype)).view(b, t, d)
     cache.filled = t1
     return model.lm_head(model.ln_f(x_BTD[:, -1])).float()
@@ -210,7 +251,7 @@ def _idle_forward(model: GPT) -> None:
     p = model.wte.weight
     empty_0D = p.new_empty(0, model.config.d_model)
     for block in model.blocks:
-        block.ffn(empty_0D)
+        ffn_infer(block.ffn, empty_0D)
 
 
 def _sample(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
