@@ -195,7 +195,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")
     need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
     if isinstance(cfg.freeze_step, int):
-        need(cfg.freeze_step >= 0, "freeze_step", "must be >= 0 or 'auto'")
+        need(cfg.freeze_step >= 1, "freeze_step", "must be >= 1 (at least one exact step) or 'auto'")
     try:
         cfg.model_config()
     except ValueError as e:
