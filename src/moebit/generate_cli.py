@@ -125,7 +125,7 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             busy = res.prefill_s + res.decode_s
             summary = {
                 "ranks": info.world_size, "ep_size": ep, "quantize": args.quantize,
-                "dtype": args.dtype, "prompts": len(prompts), "new_tokens": n_new,
+                "dtype": args.dtype, "n_prompts": len(prompts), "new_tokens": n_new,
                 "load_s": round(load_s, 3), "rank0_prefill_s": round(res.prefill_s, 3),
                 "rank0_decode_s": round(res.decode_s, 3),
                 "rank0_ms_per_step": round(1e3 * res.decode_s / max(1, res.decode_steps), 2),

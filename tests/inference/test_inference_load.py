@@ -124,3 +124,29 @@ def test_checkpoint_of_another_model_type(tmp_path: Path) -> None:
     (d / "manifest.json").write_text(json.dumps(claims))
     with pytest.raises(CheckpointError, match="holds weights of another model"):
         load_model(d)
+
+
+def test_generate_command(moe_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moebit.generate_cli import main
+
+    n = torch.get_num_threads()
+    try:
+        rc = main([str(moe_run), "--prompt", "ab", "--prompt", "c", "--max-new-tokens", "5",
+                   "--temperature", "0", "--threads", "1", "--quantize", "int8",
+                   "--json", str(tmp_path / "out.json")])
+    finally:
+        torch.set_num_threads(n)
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["prompts"] == ["ab", "c"] and out["new_tokens"] == 10
+    assert cap.out.startswith("ab" + out["texts"][0])
+    assert "int8 experts: 2 MoE layers" in cap.err
+    assert main([str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a moebit run or checkpoint folder" in capsys.readouterr().err
+    dense = tmp_path / "dense"
+    _save_run(dense)
+    assert main([str(dense), "--prompt", "x", "--quantize", "int8"]) == 2
+    assert "holds a dense model" in capsys.readouterr().err
+    assert main([str(moe_run)]) == 2
+    assert "at least one --prompt" in capsys.readouterr().err
