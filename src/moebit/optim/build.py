@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from moebit.optim.lamb import Lamb
 from moebit.optim.onebit_adam import OnebitAdam
+from moebit.optim.onebit_lamb import OnebitLamb
+from moebit.optim.zero_one_adam import ZeroOneAdam
 
 logger = logging.getLogger("moebit.optim")
 
@@ -70,9 +73,76 @@ def _onebit_adam(
     )
 
 
+def _zero_one_adam(
+    param_groups: ParamGroups,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    freeze_step: int | str | None,
+    process_group: dist.ProcessGroup | None,
+    **extra: Any,
+) -> Optimizer:
+    """``freeze_step`` (the training loop's, 20% of the run by default) is 0/1 Adam's
+    ``var_freeze_step``; giving both is an error."""
+    kwargs: dict[str, Any] = dict(extra)
+    if freeze_step is not None:
+        if "var_freeze_step" in kwargs:
+            raise ValueError("give freeze_step or var_freeze_step for zero_one_adam, not both")
+        kwargs["var_freeze_step"] = freeze_step
+    if kwargs.get("var_freeze_step") == "auto":
+        raise ValueError(
+            "zero_one_adam: freeze_step='auto' is not supported (only onebit_adam has the auto "
+            "rule); give a step count (var_freeze_step)"
+        )
+    return ZeroOneAdam(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                       process_group=process_group, **kwargs)
+
+
+def _onebit_lamb(
+    param_groups: ParamGroups,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    freeze_step: int | str | None,
+    process_group: dist.ProcessGroup | None,
+    **extra: Any,
+) -> Optimizer:
+    kwargs: dict[str, Any] = dict(extra)
+    if freeze_step is not None:
+        kwargs["freeze_step"] = freeze_step
+    return OnebitLamb(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                      process_group=process_group, **kwargs)
+
+
+def _lamb(
+    param_groups: ParamGroups,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    freeze_step: int | str | None,
+    process_group: dist.ProcessGroup | None,
+    **extra: Any,
+) -> Optimizer:
+    """Exact LAMB; like torch Adam, the training loop averages its gradients."""
+    if freeze_step is not None:
+        logger.warning("freeze_step=%r ignored: exact LAMB has no compression stage", freeze_step)
+    return Lamb(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra)
+
+
+# Insertion order is the order names are listed in (the exact optimizers' compressed
+# variants after them).
 _REGISTRY: dict[str, Factory] = {
     "adam": _adam,
     "onebit_adam": _onebit_adam,
+    "zero_one_adam": _zero_one_adam,
+    "onebit_lamb": _onebit_lamb,
+    "lamb": _lamb,
 }
 
 
@@ -83,7 +153,8 @@ def register_optimizer(name: str, factory: Factory) -> None:
 
 
 def optimizer_names() -> list[str]:
-    return sorted(_REGISTRY)
+    """Registered names, in registration order."""
+    return list(_REGISTRY)
 
 
 def build_optimizer(
@@ -138,9 +209,57 @@ _DEEPSPEED_TYPES: dict[str, tuple[str, dict[str, Any]]] = {
             "comm_backend_name": "nccl",
         },
     ),
+    "zerooneadam": (
+        "zero_one_adam",
+        {
+            **_COMMON,
+            "var_freeze_step": 100000,
+            "var_update_scaler": 16,
+            "local_step_scaler": 32678,
+            "local_step_clipper": 16,
+            "bias_correction": True,
+            "eps_inside_sqrt": False,
+            "max_grad_norm": 0.0,
+            "amsgrad": False,
+            "cuda_aware": False,
+            "comm_backend_name": "nccl",
+        },
+    ),
+    "onebitlamb": (
+        "onebit_lamb",
+        {
+            **_COMMON,
+            "freeze_step": 100000,
+            "max_coeff": 10.0,
+            "min_coeff": 0.01,
+            "coeff_beta": 0.9,
+            "factor_max": 4.0,
+            "factor_min": 0.5,
+            "factor_threshold": 0.1,
+            "bias_correction": True,
+            "eps_inside_sqrt": False,
+            "max_grad_norm": 0.0,
+            "amsgrad": False,
+            "cuda_aware": False,
+            "comm_backend_name": "nccl",
+        },
+    ),
+    "lamb": (
+        "lamb",
+        {**_COMMON, "max_coeff": 10.0, "min_coeff": 0.01, "bias_correction": True,
+         "max_grad_norm": 0.0, "amsgrad": False},
+    ),
 }
 # Accepted for compatibility; they select DeepSpeed transports or kernels moebit does not need.
 _NOT_NEEDED = {"cuda_aware", "comm_backend_name", "torch_adam"}
+# Per type, the params passed through to the optimizer under their DeepSpeed names.
+_PASSED = {
+    "zero_one_adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                      "local_step_clipper"),
+    "onebit_lamb": ("freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
+                    "factor_min", "factor_threshold"),
+    "lamb": ("max_coeff", "min_coeff"),
+}
 
 
 def optimizer_from_deepspeed_config(
@@ -152,9 +271,10 @@ def optimizer_from_deepspeed_config(
 ) -> Optimizer:
     """Build from ``{"optimizer": {"type": "OneBitAdam", "params": {...}}}``.
 
-    DeepSpeed's parameter names and defaults (``freeze_step`` defaults to 100000 as in
-    DeepSpeed: set it, or "auto"). Keys of the config other than "optimizer" are ignored
-    here (they belong to other parts). Unknown params raise ValueError naming them.
+    Types: Adam, AdamW, OneBitAdam, ZeroOneAdam, OneBitLamb, Lamb, with DeepSpeed's
+    parameter names and defaults (``freeze_step``/``var_freeze_step`` default to 100000 as
+    in DeepSpeed: set them; OneBitAdam also takes "auto"). Keys of the config other than
+    "optimizer" are ignored here (they belong to other parts). Unknown params raise ValueError naming them.
     """
     if "optimizer" not in cfg:
         raise ValueError("DeepSpeed config has no 'optimizer' section")
@@ -198,6 +318,22 @@ def optimizer_from_deepspeed_config(
             name, param_groups, decoupled=bool(p["adam_w_mode"]) or ds_type.lower() == "adamw",
             **kwargs, **extra,
         )
+    if name in _PASSED:
+        if p["max_grad_norm"]:
+            raise ValueError(
+                "max_grad_norm is not applied by the optimizer: clip gradients in the training "
+                "loop instead"
+            )
+        passed = {k: p[k] for k in _PASSED[name]}
+        if name != "lamb" and "freeze_step" not in given and "var_freeze_step" not in given:
+            logger.info("DeepSpeed %s without a freeze step: using DeepSpeed's default 100000",
+                        ds_type)
+        if p.get("eps_inside_sqrt"):
+            raise ValueError("eps_inside_sqrt=True is not supported: eps is added outside sqrt(v)")
+        freeze = passed.pop("freeze_step", None)
+        return build_optimizer(name, param_groups, freeze_step=freeze,
+                               bias_correction=bool(p["bias_correction"]), **passed, **kwargs,
+                               **extra)
     if p["eps_inside_sqrt"]:
         raise ValueError("eps_inside_sqrt=True is not supported: eps is added outside sqrt(v)")
     if p["max_grad_norm"]:
