@@ -60,10 +60,11 @@ def lamb_updates(
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each tensor, as one float32 vector (no host sync)."""
+    """L2 norm of each tensor (in its own dtype), as one float64 vector (no host sync):
+    the ratio of two norms then loses nothing, whatever the parameters' dtype."""
     if not tensors:
-        return torch.zeros(0)
-    return torch.stack([n.float() for n in torch._foreach_norm(list(tensors))])
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([n.double() for n in torch._foreach_norm(list(tensors))])
 
 
 def trust_ratios(

@@ -109,7 +109,9 @@ class OnebitLamb(CompressedOptimizer):
     def _vectors(self, b: Bucket) -> dict[str, torch.Tensor]:
         v = self._coeff.get(b.name)
         if v is None:
-            v = self._coeff[b.name] = {"coeff_ema": torch.zeros(len(b.params))}
+            v = self._coeff[b.name] = {
+                "coeff_ema": torch.zeros(len(b.params), dtype=torch.float64, device=b.params[0].device)
+            }
         return v
 
     def _extra_state_tensors(self) -> list[torch.Tensor]:
@@ -159,8 +161,10 @@ class OnebitLamb(CompressedOptimizer):
             self._add_flat(b, "exp_avg_prev")
             vec = self._vectors(b)
             vec["coeff_frozen"] = vec["coeff_ema"] / (1.0 - self.coeff_beta**t)
-            vec["last_factor"] = torch.ones(len(b.params))
-            rms = norms(b.m_views) / torch.tensor([math.sqrt(n) for n in b.sizes])
+            dev = b.exp_avg.device
+            vec["last_factor"] = torch.ones(len(b.params), dtype=torch.float64, device=dev)
+            sqrt_n = torch.tensor([math.sqrt(n) for n in b.sizes], dtype=torch.float64, device=dev)
+            rms = norms(b.m_views) / sqrt_n
             united = rms.mean()
             vec["scaling"] = torch.where(rms > 0, united / rms.clamp_min(1e-38), torch.ones_like(rms))
         self._frozen_at = t
@@ -192,9 +196,9 @@ class OnebitLamb(CompressedOptimizer):
         bc1, _ = self._corrections(group, t)
         updates = lamb_updates(b.params, b.m_views, b.v_views, bc1, None, eps, 0.0)
         factors = torch.stack([
-            ((v.sqrt() + eps) / (f.sqrt() + eps)).max().float()
+            ((v.sqrt() + eps) / (f.sqrt() + eps)).max().double()
             for v, f in zip(b.v_views, fresh, strict=True)
-        ]) if b.params else torch.zeros(0)
+        ]) if b.params else torch.zeros(0, dtype=torch.float64)
         if wd != 0.0:
             prelim = norms(updates)
             for u, p in zip(updates, b.params, strict=True):

@@ -248,6 +248,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.since_sync = 0
         self.comm_rounds += int(sent)
 
+    @torch.no_grad()
     def synchronize(self) -> None:
         """Synchronise now if local steps are pending (a collective: call on every rank)."""
         if self._frozen_at is not None and self.since_sync > 0:
