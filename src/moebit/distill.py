@@ -5,9 +5,12 @@ block from the teacher (``choose_layers`` says which blocks and why). It trains 
 
     loss = LM loss + aux loss + kd_weight * T^2 * KL(teacher_T || student_T)   (per token)
 
-for the first ``kd_stop_fraction`` of its steps, then on LM + aux loss alone (staged KD:
-a smaller student cannot match the teacher's whole distribution, and late in training
-the imitation term fights the data term; the DeepSpeed-MoE paper stops KD part way).
+until its validation loss reaches the teacher's (checked every ``kd_check_every`` steps)
+or ``kd_stop_fraction`` of its steps have run, then on LM + aux loss alone (staged KD: a
+smaller student cannot match the teacher's whole distribution, and once it predicts
+held-out text as well as the teacher, imitation only pulls it back toward the teacher's
+errors; the DeepSpeed-MoE paper also stops KD part way). ``kd_stop_rule="fraction"``
+stops at the fraction only.
 The teacher runs in eval mode without gradients, under bf16 autocast by default, built
 with the student's ``ep_size`` so its experts are sharded over the ranks exactly as in
 training; after the switch it is no longer run at all.
@@ -54,9 +57,9 @@ class DistillConfig:
     kd_weight: float = 1.0
     temperature: float = 1.0
     kd_stop_fraction: float = 0.5  # KD on for the first round(fraction * steps) steps at most
-    # "fraction": stop exactly there; "catch-up": also stop at the first check (every
-    # kd_check_every steps) where the student's validation loss is <= the teacher's
-    kd_stop_rule: str = "fraction"
+    # "catch-up": also stop at the first check (every kd_check_every steps) where the
+    # student's validation loss is <= the teacher's; "fraction": stop exactly at the fraction
+    kd_stop_rule: str = "catch-up"
     kd_check_every: int = 10
     no_kd: bool = False  # baseline: the same init and steps, LM + aux loss only
     teacher_dtype: str = "bf16"  # autocast dtype of the teacher's forward pass
@@ -363,7 +366,8 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     teacher.eval()  # evaluate() leaves models in train mode
     init_val = tr.evaluate(model, vbatches, cfg.dtype, info.device)
     n_params = model.num_params()
-    emit({"kind": "start", "n_params": n_params, "world_size": info.world_size,
+    emit({"kind": "start", "n_params": n_params, "n_expert_params": model.num_expert_params(),
+          "world_size": info.world_size,
           "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
           "corpus": corpus.source, "train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
           "threads": torch.get_num_threads(), "teacher": str(dcfg.teacher),

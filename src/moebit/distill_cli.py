@@ -46,10 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     kd.add_argument("--kd-weight", type=float, help="weight of the KD term (default 1.0)")
     kd.add_argument("--temperature", type=float, help="softmax temperature T (default 1.0)")
     kd.add_argument("--kd-stop-fraction", type=float,
-                    help="KD for this fraction of the steps, then LM loss only (default 0.5)")
+                    help="KD for at most this fraction of the steps, then LM loss only (default 0.5)")
     kd.add_argument("--kd-stop", dest="kd_stop_rule", choices=("fraction", "catch-up"),
-                    help="fraction: KD stops at --kd-stop-fraction; catch-up: also as soon as the "
-                         "student's validation loss reaches the teacher's (default fraction)")
+                    help="catch-up: KD stops as soon as the student's validation loss reaches "
+                         "the teacher's, or at --kd-stop-fraction (default); fraction: only there")
     kd.add_argument("--kd-check-every", type=int,
                     help="steps between catch-up checks (one validation pass each; default 10)")
     kd.add_argument("--no-kd", action="store_true", help="baseline: same init and steps, no KD")

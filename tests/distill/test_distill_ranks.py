@@ -48,7 +48,7 @@ def distilled(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory):
     cfg_a, _ = student_train_config(t_cfg, full, {"steps": 1})
     # (b) the real thing: 2 of 4 blocks, KD for 40% of 10 steps, logged every step.
     d = DistillConfig(teacher=str(run), student_layers=2, kd_stop_fraction=0.4,
-                      kd_weight=1.0, temperature=2.0)
+                      kd_stop_rule="fraction", kd_weight=1.0, temperature=2.0)
     cfg_b, keep = student_train_config(t_cfg, d, {"steps": 10, "log_every": 1, "eval_every": 5})
     d.keep_layers = keep
     # (c) the catch-up rule: a full-depth copy of an undertrained teacher passes it within
