@@ -293,8 +293,9 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, dict[str, Any]]:
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit code {p.returncode}"]
-    return {i: {"error": tail[0][:300]} for i in spec["impls"]}
+    tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [""]
+    return {i: {"error": f"worker exit code {p.returncode}: {tail[0][:300]}"}
+            for i in spec["impls"]}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -313,7 +314,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds per (E, k, dtype) subprocess")
     p.add_argument("--json", default=None, help="write all results to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
