@@ -294,10 +294,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=32, help="generated per prompt")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the 1-rank runs (ranks of --ranks use 1 each)")
     ap.add_argument("--ranks", type=int, default=2,
                     help="also time expert parallel on this many ranks (1: skip)")
     ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--no-quality", action="store_true", help="skip the validation losses (--run)")
     ap.add_argument("--json", help="write the results here")
     return ap
 
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing": rows, "seconds": time.perf_counter() - t0,
         "baseline_tokens_equal_ours": baseline_agrees(models.get("fp32", base), a),
     }
-    if a.run:
+    if a.run and not a.no_quality:
         result["quality"] = quality(a, models)
     print(format_table(result))
     if a.json:
