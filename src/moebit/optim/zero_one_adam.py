@@ -93,6 +93,7 @@ class ZeroOneAdam(CompressedOptimizer):
         process_group: dist.ProcessGroup | None = None,
         *,
         bias_correction: bool = True,
+        precondition_compression: bool = True,
         freeze_step: int | str | None = None,
         amsgrad: bool = False,
         cuda_aware: bool = False,
@@ -119,6 +120,7 @@ class ZeroOneAdam(CompressedOptimizer):
         super().__init__(params, defaults, process_group)
         self._scratch_names = ("grad",)  # the 1-bit gradient of stage 1: not state
         self.bias_correction = bool(bias_correction)
+        self.precondition_compression = bool(precondition_compression)
         # Stage-1 counters.
         self.var_interval = 1
         self.var_counter = 0  # refreshes since the interval last doubled
@@ -178,7 +180,11 @@ class ZeroOneAdam(CompressedOptimizer):
                     if flat is None:
                         flat = self._add_flat(b, "grad")
                     torch._foreach_copy_(b.views["grad"], grads)
+                    if self.precondition_compression:
+                        self._precondition_(group, b, b.views["grad"], t, divide=True)
                     sent |= self._onebit_average_(gi, b, flat)
+                    if self.precondition_compression:
+                        self._precondition_(group, b, b.views["grad"], t, divide=False)
                     self._apply_masks(b, b.views["grad"])
                     grads = b.views["grad"]
                 self._adam_moments_(b, grads, b1, None)
@@ -191,6 +197,19 @@ class ZeroOneAdam(CompressedOptimizer):
             if self.var_counter >= self.var_update_scaler:
                 self.var_counter = 0
                 self.var_interval *= 2
+
+    def _precondition_(self, group: dict[str, Any], b: Any, views: list[torch.Tensor], t: int,
+                       divide: bool) -> None:
+        """Divide (or multiply back) by sqrt(v̂)+eps, the same on every rank (v is exact)."""
+        _, bc2 = self._corrections(group, t, self.var_updates)
+        root_bc2, eps = math.sqrt(bc2), group["eps"]
+        for g, v in zip(views, b.v_views, strict=True):
+            for gc, vc in chunks(g, v):
+                denom = vc.sqrt().div_(root_bc2).add_(eps)
+                if divide:
+                    gc.div_(denom)
+                else:
+                    gc.mul_(denom)
 
     def _freeze(self, t: int) -> None:
         """End of stage 1: fold v's bias correction in, zero the error buffers once."""
@@ -228,10 +247,12 @@ class ZeroOneAdam(CompressedOptimizer):
             decay, lrs, eps = self._decay[gi], self._lrs[gi], group["eps"]
             # x = u·(sqrt(v)+eps) with u = p - anchor·D, written into m's buffer (m is
             # rebuilt from the average below).
+            pre = self.precondition_compression
             for p, a, m, v in zip(b.params, b.views["anchor"], b.m_views, b.v_views, strict=True):
                 for pc, ac, mc, vc in chunks(p, a, m, v):
                     torch.sub(pc, ac, alpha=decay, out=mc)
-                    mc.mul_(vc.sqrt().add_(eps))
+                    if not pre:
+                        mc.mul_(vc.sqrt().add_(eps))
             sent |= self._onebit_average_(gi, b, b.exp_avg)
             self._apply_masks(b, b.m_views)
             for p, a, m, v in zip(b.params, b.views["anchor"], b.m_views, b.v_views, strict=True):
@@ -239,7 +260,11 @@ class ZeroOneAdam(CompressedOptimizer):
                     pc.copy_(ac)
                     if decay != 1.0:
                         pc.mul_(decay)
-                    pc.addcdiv_(mc, vc.sqrt().add_(eps))
+                    if pre:  # mc holds the averaged u
+                        pc.add_(mc)
+                        mc.mul_(vc.sqrt().add_(eps))
+                    else:  # mc holds the averaged u·(sqrt(v)+eps)
+                        pc.addcdiv_(mc, vc.sqrt().add_(eps))
                     ac.copy_(pc)
                     if lrs > 0.0:
                         mc.div_(-lrs)
