@@ -229,6 +229,7 @@ def _ranks_body(rank: int, world: int, a_dict: dict[str, Any]) -> list[dict[str,
     int8 = build_model(a, ep_size=world, rank=rank)  # process groups cannot be deep-copied
     quantize_experts_(int8)
     models = {"moebit-fp32": build_model(a, ep_size=world, rank=rank), "moebit-int8": int8}
+    # rank 0 holds the batch-1 prompt (and half of the batch-32 prompts): its times count
     rows = []
     for batch in (1, 32):
         for name, m in models.items():
@@ -238,6 +239,22 @@ def _ranks_body(rank: int, world: int, a_dict: dict[str, Any]) -> list[dict[str,
                          "ms_per_step": statistics.median(r["ms_per_step"] for r in reps),
                          "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)})
     return rows
+
+
+def ranks_table(a: argparse.Namespace, rounds: int = 2) -> list[dict[str, Any]]:
+    """1 rank against ``a.ranks`` expert-parallel ranks, all in fresh processes of 1 thread,
+    alternated round by round (1, N, 1, N) so that both meet the same machine load."""
+    from moebit.testing import run_on_ranks
+
+    got: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for _ in range(rounds):
+        for world in (1, a.ranks):
+            for r in run_on_ranks(_ranks_body, world=world, args=(vars(a),), timeout=1800)[0]:
+                got.setdefault((r["variant"], r["batch"], world), []).append(r)
+    return [{"variant": f"{v} (spawned)", "batch": b, "ranks": w,
+             "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs)}
+            for (v, b, w), rs in got.items()]
 
 
 # ----------------------------------------------------------------------------- quality
@@ -300,6 +317,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also time expert parallel on this many ranks (1: skip)")
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--no-quality", action="store_true", help="skip the validation losses (--run)")
+    ap.add_argument("--no-single", action="store_true",
+                    help="skip the 1-process variant comparison (only --ranks and quality)")
     ap.add_argument("--json", help="write the results here")
     return ap
 
@@ -318,14 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         timed[f"dense-fp32 ({Path(path).name})"] = load_model(path)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    rows = timing_table(timed, a)
+    rows = [] if a.no_single else timing_table(timed, a)
     for r in rows:
         r["ranks"] = 1
     if a.ranks > 1:
-        from moebit.testing import run_on_ranks
-
-        per_rank = run_on_ranks(_ranks_body, world=a.ranks, args=(vars(a),), timeout=1800)
-        rows += per_rank[0]  # rank 0 holds the prompt at batch 1; timings are per rank 0
+        rows += ranks_table(a)
     result: dict[str, Any] = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
                    f"torch {torch.__version__}, threads {a.threads}",
@@ -333,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": base.config.to_dict(), "source": a.run or "synthetic",
         "expert_bytes": {k: expert_bytes(m) for k, m in models.items()},
         "timing": rows, "seconds": time.perf_counter() - t0,
-        "baseline_tokens_equal_ours": baseline_agrees(models.get("fp32", base), a),
+        "baseline_tokens_equal_ours": None if a.no_single else baseline_agrees(models.get("fp32", base), a),
     }
     if a.run and not a.no_quality:
         result["quality"] = quality(a, models)
@@ -351,7 +367,7 @@ def format_table(res: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["batch"], r["ranks"], r["variant"])):
         b = base.get(r["batch"])
-        ratio = f"{b['ms_per_step'] / r['ms_per_step']:.2f}" if b else "-"
+        ratio = f"{b['ms_per_step'] / r['ms_per_step']:.2f}" if b and "spawned" not in r["variant"] else "-"
         lines.append(f"| {r['variant']} | {r['ranks']} | {r['batch']} | {r['ms_per_step']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {ratio} |")
     if "quality" in res:
