@@ -464,8 +464,10 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
                 rec.update(last_moe)
             emit(rec)
             if bar is not None:
-                bar.set_postfix({"loss": f"{rec['loss']:.3f}", "kd": f"{rec.get('kd_loss', 0):.3f}",
-                                 "tok_s": f"{rec['tokens_per_s']:.0f}"}, refresh=False)
+                post = {"loss": f"{rec['loss']:.3f}", "tok_s": f"{rec['tokens_per_s']:.0f}"}
+                if "kd_loss" in rec:
+                    post["kd"] = f"{rec['kd_loss']:.3f}"
+                bar.set_postfix(post, refresh=False)
             win = {"loss": 0.0, "aux": 0.0, "kd": 0.0, "n": 0, "n_kd": 0, "time": 0.0}
             win_stats = now
         if (step + 1) % cfg.eval_every == 0 or last:
