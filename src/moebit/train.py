@@ -292,7 +292,10 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                 "comm_seconds_per_step": sum(o.seconds for o in d.ops.values()) / win_n,
                 "wall": time.perf_counter() - t_start, "train_time": train_time,
                 "comm_stage": getattr(opt, "comm_stage", "exact"),
+                "collectives": d.calls,
             }
+            if hasattr(opt, "comm_rounds"):
+                rec["comm_rounds"] = opt.comm_rounds
             if cfg.num_experts:
                 rec["aux_loss"] = win_aux / win_n
                 rec.update(last_moe)
@@ -302,7 +305,14 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                                MB_sent=f"{now.bytes_sent / 1e6:.1f}")
                 bar.set_postfix(postfix, refresh=False)
             win_loss, win_aux, win_n, win_time, win_stats = 0.0, 0.0, 0, 0.0, now
-        if (step + 1) % cfg.eval_every == 0 or last:
+        evaluating = (step + 1) % cfg.eval_every == 0 or last
+        saving = last or (cfg.save_every and (step + 1) % cfg.save_every == 0)
+        if last and hasattr(opt, "synchronize"):
+            # 0/1 Adam's replicas drift between syncs: the run ends on one agreed model.
+            # Earlier evaluations use each rank's own replica (rank 0's is logged), so that
+            # evaluating or saving never changes the trajectory and resumes stay exact.
+            opt.synchronize()
+        if evaluating:
             val_loss = evaluate(model, vbatches, cfg.dtype, info.device)
             emit({"kind": "eval", "step": step + 1, "val_loss": val_loss,
                   "wall": time.perf_counter() - t_start, "train_time": train_time,
@@ -310,7 +320,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
             if bar is not None:
                 postfix["val"] = f"{val_loss:.3f}"
                 bar.set_postfix(postfix, refresh=False)
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        if saving:
             ckpt_io.save(run_dir, step + 1, model, opt, batches, info, cfg,
                          wall=time.perf_counter() - t_start, train_time=train_time)
         if bar is not None:
@@ -326,6 +336,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         "train_time": train_time, "bytes_sent": total.bytes_sent, "bytes_recv": total.bytes_recv,
         "tokens_per_s": tokens_per_step * max(1, cfg.steps - first_step) / max(train_time, 1e-9),
         "frozen_at": getattr(opt, "frozen_at", None), "nan_skipped": nan_total,
+        "collectives": total.calls, "comm_rounds": getattr(opt, "comm_rounds", None),
     }
     if cfg.samples:
         from moebit.inference import generate
