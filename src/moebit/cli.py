@@ -71,6 +71,8 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
     try:
         ns, unknown = ap.parse_known_args(argv)
     except SystemExit as e:
+        if e.code == 0:  # --help
+            raise
         raise UsageError("bad arguments to moebit train (see above)") from e
     if unknown:
         raise UsageError(f"unknown flag {unknown[0]!r} for moebit train (see moebit train --help)")
