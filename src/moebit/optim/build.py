@@ -48,29 +48,28 @@ def _adam(
     return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def _onebit_adam(
-    param_groups: ParamGroups,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    freeze_step: int | str | None,
-    process_group: dist.ProcessGroup | None,
-    **extra: Any,
-) -> Optimizer:
-    kwargs: dict[str, Any] = dict(extra)
-    if freeze_step is not None:
-        kwargs["freeze_step"] = freeze_step
-    return OnebitAdam(
-        param_groups,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        process_group=process_group,
-        **kwargs,
-    )
+def _compressed(cls: type[Optimizer]) -> Factory:
+    """The factory of a compressed optimizer whose ``freeze_step`` keeps its own meaning."""
+
+    def factory(
+        param_groups: ParamGroups,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        freeze_step: int | str | None,
+        process_group: dist.ProcessGroup | None,
+        **extra: Any,
+    ) -> Optimizer:
+        kwargs: dict[str, Any] = dict(extra)
+        if freeze_step is not None:
+            kwargs["freeze_step"] = freeze_step
+        return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                   process_group=process_group, **kwargs)
+
+    factory.__name__ = f"_{cls.__name__}"
+    return factory
 
 
 def _zero_one_adam(
@@ -100,24 +99,6 @@ def _zero_one_adam(
                        process_group=process_group, **kwargs)
 
 
-def _onebit_lamb(
-    param_groups: ParamGroups,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    freeze_step: int | str | None,
-    process_group: dist.ProcessGroup | None,
-    **extra: Any,
-) -> Optimizer:
-    kwargs: dict[str, Any] = dict(extra)
-    if freeze_step is not None:
-        kwargs["freeze_step"] = freeze_step
-    return OnebitLamb(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                      process_group=process_group, **kwargs)
-
-
 def _lamb(
     param_groups: ParamGroups,
     *,
@@ -139,9 +120,9 @@ def _lamb(
 # variants after them).
 _REGISTRY: dict[str, Factory] = {
     "adam": _adam,
-    "onebit_adam": _onebit_adam,
+    "onebit_adam": _compressed(OnebitAdam),
     "zero_one_adam": _zero_one_adam,
-    "onebit_lamb": _onebit_lamb,
+    "onebit_lamb": _compressed(OnebitLamb),
     "lamb": _lamb,
 }
 
