@@ -103,12 +103,13 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
     try:
         t0 = time.perf_counter()
-        model = load_model(args.checkpoint, ep_size=ep, rank=info.rank, dtype=DTYPES[args.dtype])
+        model = load_model(args.checkpoint, ep_size=ep, rank=info.rank)
         report = None
-        if args.quantize == "int8":
+        if args.quantize == "int8":  # before the cast: the report compares with float32 experts
             from moebit.quantize import quantize_experts_
 
             report = quantize_experts_(model)
+        model.to(DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
         prompts = _prompts(args)
         res = generate_tokens(
