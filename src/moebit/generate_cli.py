@@ -109,7 +109,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             from moebit.quantize import quantize_experts_
 
             report = quantize_experts_(model)
-        model.to(DTYPES[args.dtype])
+        if DTYPES[args.dtype] != torch.float32:
+            model.to(DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
         prompts = _prompts(args)
         res = generate_tokens(

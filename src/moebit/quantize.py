@@ -57,7 +57,8 @@ def int8_linear(x_RK: torch.Tensor, q_NK: torch.Tensor, s_N: torch.Tensor, b_N: 
     """``x @ dequant(q).T + b`` in x's dtype; kernel "int8" (bf16 activations), "dequant" or "auto"."""
     rows = x_RK.shape[0]
     if kernel == "int8" or (kernel == "auto" and rows <= SMALL_ROWS and _INT8_OK):
-        s = s_bf16_N if s_bf16_N is not None else s_N.to(torch.bfloat16)
+        s = s_bf16_N if s_bf16_N is not None else s_N
+        s = s if s.dtype == torch.bfloat16 else s.to(torch.bfloat16)  # model.to() may cast it
         y = torch._weight_int8pack_mm(x_RK.to(torch.bfloat16).contiguous(), q_NK, s)
         return y.to(x_RK.dtype).add_(b_N.to(x_RK.dtype))
     y = torch.mm(x_RK, q_NK.t().to(x_RK.dtype))

@@ -87,6 +87,9 @@ def test_quantized_model_generates_and_reports() -> None:
     assert float((out - ref).norm() / ref.norm()) < 0.02
     texts = generate(m, PROMPTS, max_new_tokens=8, temperature=0)
     assert len(texts) == len(PROMPTS)
+    m.to(torch.float32)  # a cast touches the scales too; the int8 kernel must still run
+    assert generate(m, PROMPTS, max_new_tokens=8, temperature=0) == texts
+    assert generate(m.to(torch.bfloat16), PROMPTS[:1], max_new_tokens=4, temperature=0)[0]
     with pytest.raises(ValueError, match="no MoE layer"):
         quantize_experts_(m)  # already int8
     with pytest.raises(ValueError, match="no MoE layer"):
