@@ -115,8 +115,8 @@ def main(argv: list[str]) -> int:
     measure_from = args.measure_from if args.measure_from is not None else int(0.6 * args.steps)
     results = []
     for opt in args.optimizers.split(","):
-        run_dir = out / opt.replace("/", "_") if args.freeze_step is None else \
-            out / f"{opt}-freeze{args.freeze_step}"
+        exact = opt in ("adam", "lamb")
+        run_dir = out / (opt if exact or args.freeze_step is None else f"{opt}-freeze{args.freeze_step}")
         print(f"== {opt}: {args.nproc} ranks, {args.steps} steps"
               + (f", link {args.link}" if args.link else ""), file=sys.stderr, flush=True)
         _run(_train_argv(extra, opt, args.nproc, args.steps, run_dir, args.freeze_step,
