@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,10 +131,14 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 class CompressedOptimizer(Optimizer):
-    """Base of the 1-bit optimizers; subclasses implement ``step`` with the helpers here.
+    """Base of the 1-bit optimizers.
 
-    Subclass hooks: ``_flat_names`` (buffers allocated for every bucket at its first step),
-    ``_extra_state``/``_load_extra_state`` (their own counters), ``_after_load``.
+    ``step`` runs the two stages every member shares: exact warm-up per bucket until
+    ``_should_freeze``, then ``_freeze`` and the compressed update per bucket. Subclasses
+    implement ``_warmup_bucket``, ``_should_freeze``, ``_freeze`` and ``_compressed_bucket``
+    (0/1 Adam, whose stages differ, overrides ``step`` itself). Other hooks: ``_flat_names``
+    (buffers allocated for every bucket at its first step), ``_extra_state``/
+    ``_load_extra_state`` (their own counters), ``_after_load``.
     """
 
     averages_gradients = True
@@ -163,6 +167,38 @@ class CompressedOptimizer(Optimizer):
         self._compressors: dict[int, Any] = {}
         super().__init__(params, defaults)
         self.grads_averaged_externally = bool(grads_averaged_externally)
+
+    # ----------------------------------------------------------------------- stepping
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._build_buckets()
+        self._step_count += 1
+        t = self._step_count
+        if self._frozen_at is None:
+            for _, group, b in self._iter_buckets():
+                self._warmup_bucket(group, b, t)
+            if self._should_freeze(t):
+                self._freeze(t)
+        else:
+            for gi, group, b in self._iter_buckets():
+                self._compressed_bucket(gi, group, b, t)
+        return loss
+
+    def _warmup_bucket(self, group: dict[str, Any], b: Bucket, t: int) -> None:
+        raise NotImplementedError
+
+    def _should_freeze(self, t: int) -> bool:
+        raise NotImplementedError
+
+    def _freeze(self, t: int) -> None:
+        raise NotImplementedError
+
+    def _compressed_bucket(self, gi: int, group: dict[str, Any], b: Bucket, t: int) -> None:
+        raise NotImplementedError
 
     # ----------------------------------------------------------------- public read-outs
     @property

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -131,26 +131,6 @@ class OnebitAdam(CompressedOptimizer):
         if self.auto_freeze is not None and self.auto_freeze.snapshot is not None:
             return list(self.auto_freeze.snapshot)
         return []
-
-    # ----------------------------------------------------------------------- stepping
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._build_buckets()
-        self._step_count += 1
-        t = self._step_count
-        if self._frozen_at is None:
-            for _, group, b in self._iter_buckets():
-                self._warmup_bucket(group, b, t)
-            if self._should_freeze(t):
-                self._freeze(t)
-        else:
-            for gi, group, b in self._iter_buckets():
-                self._compressed_bucket(gi, group, b, t)
-        return loss
 
     def _warmup_bucket(self, group: dict[str, Any], b: Bucket, t: int) -> None:
         """Adam on averaged gradients; after it, ``p.grad`` holds the average (as with DDP)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -117,25 +117,8 @@ class OnebitLamb(CompressedOptimizer):
     def _extra_state_tensors(self) -> list[torch.Tensor]:
         return [t for d in self._coeff.values() for t in d.values()]
 
-    # ----------------------------------------------------------------------- stepping
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._build_buckets()
-        self._step_count += 1
-        t = self._step_count
-        if self._frozen_at is None:
-            for _, group, b in self._iter_buckets():
-                self._warmup_bucket(group, b, t)
-            if t >= self.freeze_step:
-                self._freeze(t)
-        else:
-            for gi, group, b in self._iter_buckets():
-                self._compressed_bucket(gi, group, b, t)
-        return loss
+    def _should_freeze(self, t: int) -> bool:
+        return t >= self.freeze_step
 
     def _warmup_bucket(self, group: dict[str, Any], b: Bucket, t: int) -> None:
         """Exact LAMB on averaged gradients (``Lamb.step``'s operations)."""
