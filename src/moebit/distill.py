@@ -347,7 +347,6 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     model = GPT(cfg.model_config()).to(info.device)
     init_student_(model, teacher, keep)
     opt = tr.make_optimizer(cfg, tr.param_groups(model, cfg))
-    self_averaging = getattr(opt, "averages_gradients", False)
     batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)
     vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.block_size * info.world_size
@@ -426,8 +425,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
             kd_value = float(kd.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if not self_averaging:
-            tr.average_gradients(opt)
+        tr.average_for_step(opt)
         norm = tr.clip_gradients(model, cfg.grad_clip)
         loss_value = float(out.loss.detach())
         if not (math.isfinite(loss_value) and math.isfinite(norm)):

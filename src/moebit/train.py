@@ -83,6 +83,24 @@ def average_gradients(opt: torch.optim.Optimizer) -> None:
         allreduce_mean_(grads, group=group.get("process_group"), op_name="grad_allreduce")
 
 
+def average_for_step(opt: torch.optim.Optimizer) -> bool:
+    """Average this step's gradients here unless the optimizer will exchange them itself.
+
+    Plain optimizers: always. Compressed ones: only on the steps they would average exactly
+    (1-bit Adam's warm-up), so that clipping then acts on the average, as for Adam, and the
+    warm-up equals Adam's run step for step. Returns True when the gradients are now the
+    average on every rank (a NaN anywhere has then reached every rank).
+    """
+    if not getattr(opt, "averages_gradients", False):
+        average_gradients(opt)
+        return True
+    if getattr(opt, "next_step_averages_exactly", False):
+        average_gradients(opt)
+        opt.grads_are_averaged()  # type: ignore[attr-defined]
+        return True
+    return False
+
+
 def clip_gradients(model: GPT, max_norm: float) -> float:
     """Clip by the global gradient norm, the same on every rank.
 
@@ -159,14 +177,14 @@ class NonFiniteLoss(RuntimeError):
     """The loss or the gradients became NaN or inf and ``on_nan`` says stop."""
 
 
-def _any_rank(flag: bool, self_averaging: bool) -> bool:
+def _any_rank(flag: bool, local_grads: bool) -> bool:
     """Whether any rank saw ``flag``: the step is skipped everywhere or nowhere.
 
     With exact gradient averaging a NaN on one rank reaches every rank's gradients, so
     the local check suffices; the 1-bit optimizers exchange no gradients, so they pay
     one 4-byte allreduce per step for the verdict.
     """
-    if not self_averaging or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not local_grads or not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([1.0 if flag else 0.0])
     t0 = time.perf_counter()
@@ -189,7 +207,6 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         broadcast_params_(model, expert_dp_group=ep.expert_dp_group, expert_src=ep.expert_dp_ranks[0])
     groups = param_groups(model, cfg)
     opt = make_optimizer(cfg, groups)
-    self_averaging = getattr(opt, "averages_gradients", False)
     batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)
     vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
     n_params = model.num_params()
@@ -232,6 +249,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                    mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
     t_start = time.perf_counter() - t_offset
     win_loss, win_aux, win_n, win_time = 0.0, 0.0, 0, 0.0
+    win_norm, win_clipped = 0.0, 0
     win_stats = stats.snapshot()
     val_loss = float("nan")
     last_moe: dict[str, Any] = {}
@@ -250,11 +268,10 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         loss = out.loss + out.aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if not self_averaging:
-            average_gradients(opt)
+        averaged = average_for_step(opt)
         norm = clip_gradients(model, cfg.grad_clip)
         loss_value = float(out.loss.detach())
-        if _any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), self_averaging):
+        if _any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), not averaged):
             nan_streak += 1
             nan_total += 1
             emit({"kind": "nan", "step": step + 1, "loss": loss_value, "grad_norm": norm,
@@ -277,6 +294,8 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         win_time += dt
         win_loss += loss_value
         win_aux += float(out.aux_loss.detach())
+        win_norm += norm
+        win_clipped += int(cfg.grad_clip > 0 and norm > cfg.grad_clip)
         win_n += 1
         if cfg.num_experts:
             last_moe = moe_metrics(out.ffn_outputs)
@@ -293,6 +312,9 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                 "wall": time.perf_counter() - t_start, "train_time": train_time,
                 "comm_stage": getattr(opt, "comm_stage", "exact"),
                 "collectives": d.calls,
+                # Before clipping; the norm of the average while gradients are averaged
+                # exactly, of this rank's own gradient once a compressed optimizer froze.
+                "grad_norm": win_norm / win_n, "clipped_frac": win_clipped / win_n,
             }
             if hasattr(opt, "comm_rounds"):
                 rec["comm_rounds"] = opt.comm_rounds
@@ -305,6 +327,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                                MB_sent=f"{now.bytes_sent / 1e6:.1f}")
                 bar.set_postfix(postfix, refresh=False)
             win_loss, win_aux, win_n, win_time, win_stats = 0.0, 0.0, 0, 0.0, now
+            win_norm, win_clipped = 0.0, 0
         evaluating = (step + 1) % cfg.eval_every == 0 or last
         saving = last or (cfg.save_every and (step + 1) % cfg.save_every == 0)
         if last and hasattr(opt, "synchronize"):

@@ -135,3 +135,21 @@ def test_cli_two_nodes_train_together(tmp_path: Path, small_corpus: Path):
     end = json.loads(written[0].read_text().splitlines()[-1])
     start = json.loads(written[0].read_text().splitlines()[0])
     assert start["world_size"] == 2 and end["bytes_sent"] > 0
+
+
+def test_onebit_warmup_in_the_loop_equals_adam_clipping_included(small_corpus: Path, tmp_path: Path):
+    """In warm-up the loop averages and clips the average, so 1-bit Adam's run is Adam's.
+
+    The clip threshold is low enough to act on every step: clipping each rank's local
+    gradient instead (what the loop did before) would give a different run.
+    """
+    common = {"steps": 8, "eval_every": 8, "grad_clip": 0.05, "weight_decay": 0.0}
+    adam = run_on_ranks(_train_body, 2, args=(tiny_cfg(small_corpus, optimizer="adam", **common),
+                                              str(tmp_path / "adam")), timeout=180)
+    onebit = run_on_ranks(_train_body, 2, args=(tiny_cfg(small_corpus, optimizer="onebit_adam",
+                                                          freeze_step=100, **common),
+                                                str(tmp_path / "onebit")), timeout=180)
+    assert adam[0]["val_loss"] == onebit[0]["val_loss"] == onebit[1]["val_loss"]
+    recs = [json.loads(x) for x in (tmp_path / "onebit" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert train and all(r["clipped_frac"] == 1.0 for r in train), train

@@ -278,3 +278,20 @@ def test_no_param_group_after_the_freeze() -> None:
     opt.step()
     with pytest.raises(ValueError, match="after the variance was frozen"):
         opt.add_param_group({"params": m[2].parameters()})
+
+
+def test_grads_are_averaged_only_while_the_step_averages_exactly() -> None:
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    batches = _batches(3)
+    for i, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if i < 2:
+            assert opt.next_step_averages_exactly
+            opt.grads_are_averaged()
+        else:
+            assert not opt.next_step_averages_exactly
+            with pytest.raises(RuntimeError, match="local gradient"):
+                opt.grads_are_averaged()
+        opt.step()

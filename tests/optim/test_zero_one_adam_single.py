@@ -149,3 +149,18 @@ def test_deepspeed_zero_one_adam(caplog) -> None:
     with pytest.raises(ValueError, match="unknown params .*freeze_step"):
         optimizer_from_deepspeed_config(
             {"optimizer": {"type": "ZeroOneAdam", "params": {"freeze_step": 3}}}, _model().parameters())
+
+
+def test_only_variance_refresh_steps_average_exactly() -> None:
+    from moebit.optim import ZeroOneAdam
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = ZeroOneAdam([p], lr=1e-2, var_freeze_step=100, var_update_scaler=1)
+    exact = []
+    for _ in range(8):
+        exact.append(opt.next_step_averages_exactly)
+        p.grad = torch.randn(5)
+        opt.step()
+    # The refresh interval starts at 1 and doubles after each refresh (scaler 1): 1, 2, 4, 8.
+    assert exact == [True, True, False, True, False, False, False, True]

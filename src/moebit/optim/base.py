@@ -21,7 +21,11 @@ the average back in place, copying nothing. What differs between the optimizers 
 - ``state_bytes``, ``comm_stage``, ``frozen_at``, ``step_count``.
 
 Training-loop contract: ``averages_gradients = True`` (the optimizer averages over each
-group's process group itself; the loop must not).
+group's process group itself; the loop must not). Exception: when
+``next_step_averages_exactly`` is True (warm-up), a loop may average the gradients itself,
+clip the average exactly as it would for Adam, and call ``grads_are_averaged()``; the
+warm-up is then Adam's step bit for bit, clipping included, instead of clipping each
+rank's local gradient before the optimizer averages.
 """
 
 from __future__ import annotations
@@ -165,6 +169,7 @@ class CompressedOptimizer(Optimizer):
         self._step_count = 0
         self._frozen_at: int | None = None
         self._compressors: dict[int, Any] = {}
+        self._preaveraged = False
         super().__init__(params, defaults)
         self.grads_averaged_externally = bool(grads_averaged_externally)
 
@@ -186,7 +191,29 @@ class CompressedOptimizer(Optimizer):
         else:
             for gi, group, b in self._iter_buckets():
                 self._compressed_bucket(gi, group, b, t)
+        self._preaveraged = False
         return loss
+
+    @property
+    def next_step_averages_exactly(self) -> bool:
+        """Whether the next ``step()`` averages the gradients exactly (1-bit Adam/LAMB: the
+        warm-up). Only then may a caller average them itself and call ``grads_are_averaged``."""
+        return self._frozen_at is None
+
+    def grads_are_averaged(self) -> None:
+        """Say that this step's ``p.grad`` already hold the average over each group's process
+        group (a missing grad counting as zeros), so the next ``step()`` does not average again.
+
+        Lets a training loop clip the averaged gradient, as it does for Adam. Valid for one
+        step, and only when ``next_step_averages_exactly`` is True: in the compressed stage
+        the optimizer needs each rank's own gradient.
+        """
+        if not self.next_step_averages_exactly:
+            raise RuntimeError(
+                f"{type(self).__name__}.grads_are_averaged(): the next step does not average "
+                "gradients exactly (the variance is frozen); pass each rank's local gradient"
+            )
+        self._preaveraged = True
 
     def _warmup_bucket(self, group: dict[str, Any], b: Bucket, t: int) -> None:
         raise NotImplementedError
@@ -351,11 +378,14 @@ class CompressedOptimizer(Optimizer):
     def _average_grads_(self, group: dict[str, Any], grads: list[torch.Tensor], op_name: str) -> bool:
         """Exact bucketed average over the group's ranks, in place (as DDP leaves ``p.grad``).
 
-        Skipped under DDP (``grads_averaged_externally``) and on one rank. True if sent.
+        Skipped under DDP (``grads_averaged_externally``), after ``grads_are_averaged()`` and on
+        one rank. True if the gradients were exchanged (here or by the caller).
         """
         pg = self._group_pg(group)
-        if self.grads_averaged_externally or mdist.world_size(pg) == 1:
+        if mdist.world_size(pg) == 1 or self.grads_averaged_externally:
             return False
+        if self._preaveraged:
+            return True
         mdist.allreduce_mean_(grads, pg, op_name=op_name)
         return True
 

@@ -161,7 +161,14 @@ class ZeroOneAdam(CompressedOptimizer):
             if self.local_step_counter >= self.local_step_scaler:
                 self.local_step_counter = 0
                 self.local_step_interval = min(2 * self.local_step_interval, self.local_step_clipper)
+        self._preaveraged = False
         return loss
+
+    @property
+    def next_step_averages_exactly(self) -> bool:
+        """Only stage-1 steps that refresh the variance average exact gradients; the others
+        exchange 1-bit compressed ones."""
+        return self._frozen_at is None and (self._step_count + 1) % self.var_interval == 0
 
     def _stage1(self, t: int) -> None:
         refresh = t % self.var_interval == 0
