@@ -40,13 +40,15 @@ def _grads(moe: MoE, x: torch.Tensor) -> list[torch.Tensor]:
     return [x.grad] + [p.grad for p in moe.parameters()]
 
 
+@pytest.mark.parametrize("kernel", ["loop", "padded"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("drop", [True, False])
-def test_dispatch_matches_onehot_oracle(k: int, drop: bool) -> None:
+def test_dispatch_matches_onehot_oracle(k: int, drop: bool, kernel: str) -> None:
     torch.manual_seed(k)
     cfg = MoEConfig(num_experts=6, num_experts_per_tok=k, capacity_factor=0.6,
                     drop_tokens=drop, min_capacity=1, d_ffn=24)
     moe = MoE(12, cfg)
+    moe.experts.kernel = kernel
     x = torch.randn(3, 20, 12, requires_grad=True)
     proj = torch.randn(3, 20, 12)
 
@@ -152,3 +154,38 @@ def test_bfloat16_weights_and_autocast_match_float32() -> None:
         assert err < 0.03, float(err)
     out_bf16.hidden.float().sum().backward()
     assert moe_bf16.experts.w1.grad.dtype == torch.bfloat16
+
+
+def test_padded_kernel_only_when_blocks_are_nearly_equal() -> None:
+    ex = Experts(4, 8, 16)
+    assert ex._use_padded([10, 10, 9, 10])  # 40 padded rows for 39: within the 25% limit
+    assert not ex._use_padded([40, 1, 1, 1])  # 160 padded rows for 43
+    assert not ex._use_padded([0, 0, 0, 0])
+    ex.kernel = "loop"
+    assert not ex._use_padded([10, 10, 10, 10])
+    ex.kernel = "padded"
+    assert ex._use_padded([40, 1, 0, 1])
+    ex.kernel = "fast"
+    with pytest.raises(ValueError, match="Experts.kernel"):
+        ex._use_padded([1, 1, 1, 1])
+
+
+def test_padded_kernel_with_full_blocks_and_empty_experts() -> None:
+    """Equal blocks take the no-copy view path; an empty expert gets zero gradients."""
+    torch.manual_seed(0)
+    for counts in ([5, 5, 5], [6, 0, 4]):
+        ex = Experts(3, 8, 16)
+        x = torch.randn(sum(counts), 8, requires_grad=True)
+        g = torch.randn(sum(counts), 8)
+        grads = {}
+        for kernel in ("loop", "padded"):
+            ex.kernel = kernel
+            ex.zero_grad()
+            x.grad = None
+            y = ex(x, counts)
+            (y * g).sum().backward()
+            grads[kernel] = [y.detach(), x.grad] + [p.grad.clone() for p in ex.parameters()]
+        for a, b in zip(grads["loop"], grads["padded"], strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+        if counts[1] == 0:
+            assert (ex.w1.grad[1] == 0).all() and (ex.b2.grad[1] == 0).all()

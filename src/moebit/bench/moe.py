@@ -8,7 +8,10 @@ Implementations, all on the same input, d_model 512, d_ffn 2048, 4096 tokens by 
 - ``lower_bound``: the compute floor: the float32 router (linear, softmax, top-k) plus each
   expert's MLP on exactly the tokens our layer keeps for it, pre-gathered into separate
   tensors, with separate per-expert weights. No dispatch, no combine.
-- ``moebit``: ``moebit.moe.MoE`` (sort-based dispatch, batched experts).
+- ``moebit``: ``moebit.moe.MoE`` (sort-based dispatch, batched experts; its default
+  ``kernel="auto"`` runs near-equal expert blocks as padded batched matmuls).
+- ``moebit_loop``: the same layer forced to one matmul per expert (``kernel="loop"``), to
+  show what the padded path buys.
 - ``onehot_baseline``: THE BASELINE, not our code path: the GShard one-hot dispatch, a
   [S, E, C] dispatch and combine tensor and two einsums (DeepSpeed's method until 2025),
   with the same router and expert weights.
@@ -50,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IMPLS = ("lower_bound", "moebit", "onehot_baseline", "deepspeed", "fairscale")
+IMPLS = ("lower_bound", "moebit", "moebit_loop", "onehot_baseline", "deepspeed", "fairscale")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Step = Callable[[], list[torch.Tensor]]  # runs a forward, returns the outputs to backprop
@@ -72,6 +75,12 @@ def _ours(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
     torch.manual_seed(0)
     moe = MoE(spec["d_model"], _moe_config(spec)).to(x.dtype)
     return (lambda: [moe(x).hidden]), moe
+
+
+def _ours_loop(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+    step, moe = _ours(spec, x)
+    moe.experts.kernel = "loop"
+    return step, moe
 
 
 def _lower_bound(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
@@ -182,7 +191,8 @@ def _fairscale(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
     return (lambda: [layer(x3)]), layer
 
 
-BUILDERS = {"lower_bound": _lower_bound, "moebit": _ours, "onehot_baseline": _onehot_baseline,
+BUILDERS = {"lower_bound": _lower_bound, "moebit": _ours, "moebit_loop": _ours_loop,
+            "onehot_baseline": _onehot_baseline,
             "deepspeed": _deepspeed, "fairscale": _fairscale}
 
 

@@ -81,6 +81,67 @@ class _ExpertMLP(torch.autograd.Function):
         return gx_ND, gw1, gb1, gw2, gb2, None, None
 
 
+def _padded_slots(counts: list[int], cap: int, device: torch.device) -> torch.Tensor:
+    """Row of each sorted pair in an [E_local * cap] buffer: expert e's block starts at e * cap."""
+    n = torch.tensor(counts, device=device)
+    starts = torch.cumsum(n, 0) - n
+    expert_N = torch.repeat_interleave(torch.arange(len(counts), device=device), n)
+    return expert_N * cap + torch.arange(int(n.sum()), device=device) - starts[expert_N]
+
+
+class _ExpertMLPPadded(torch.autograd.Function):
+    """The same MLPs as ``_ExpertMLP``, as batched matmuls over blocks padded to the largest.
+
+    One bmm over [E_local, cap, d] lets the matmul library split the work across threads
+    by expert instead of inside each small [n, d] x [d, f] product. Padding rows are zeros
+    in the input and get zero output gradients, so they add nothing to any gradient; they
+    cost FLOPs and memory, which is why ``Experts`` picks this path only when the blocks are
+    nearly equal (``Experts.pad_limit``).
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, w1, b1, w2, b2, counts, grad_scale):  # type: ignore[override]
+        n_exp, d = len(counts), x_ND.shape[1]
+        cap = max(counts)
+        full = all(c == cap for c in counts)
+        slot_N = None if full else _padded_slots(counts, cap, x_ND.device)
+        if full:
+            x_ECD = x_ND.view(n_exp, cap, d)
+        else:
+            x_ECD = x_ND.new_zeros(n_exp * cap, d).index_copy_(0, slot_N, x_ND).view(n_exp, cap, d)
+        hpre_ECF = torch.baddbmm(b1.unsqueeze(1), x_ECD, w1)
+        h_ECF = F.gelu(hpre_ECF)
+        y_ECD = torch.baddbmm(b2.unsqueeze(1), h_ECF, w2)
+        ctx.save_for_backward(x_ECD, w1, w2, hpre_ECF, h_ECF, slot_N)
+        ctx.grad_scale, ctx.n_rows = grad_scale, x_ND.shape[0]
+        y_ND = y_ECD.view(-1, d)
+        return y_ND if full else y_ND.index_select(0, slot_N)
+
+    @staticmethod
+    def backward(ctx, g_ND):  # type: ignore[override]
+        x_ECD, w1, w2, hpre_ECF, h_ECF, slot_N = ctx.saved_tensors
+        n_exp, cap, d = x_ECD.shape
+        g_ND = g_ND.contiguous()
+        if slot_N is None:
+            g_ECD = g_ND.view(n_exp, cap, d)
+        else:
+            g_ECD = g_ND.new_zeros(n_exp * cap, d).index_copy_(0, slot_N, g_ND).view(n_exp, cap, d)
+        gw2 = torch.bmm(h_ECF.transpose(1, 2), g_ECD)
+        gb2 = g_ECD.sum(1)
+        gh_ECF = torch.ops.aten.gelu_backward(torch.bmm(g_ECD, w2.transpose(1, 2)), hpre_ECF)
+        gw1 = torch.bmm(x_ECD.transpose(1, 2), gh_ECF)
+        gb1 = gh_ECF.sum(1)
+        gx_ND = None
+        if ctx.needs_input_grad[0]:
+            gx_ND = torch.bmm(gh_ECF, w1.transpose(1, 2)).view(-1, d)
+            if slot_N is not None:
+                gx_ND = gx_ND.index_select(0, slot_N)
+        if ctx.grad_scale != 1.0:
+            for t in (gw1, gb1, gw2, gb2):
+                t.mul_(ctx.grad_scale)
+        return gx_ND, gw1, gb1, gw2, gb2, None, None
+
+
 class Experts(nn.Module):
     """GELU MLPs ``y = gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` for the local experts.
 
@@ -93,7 +154,15 @@ class Experts(nn.Module):
     1/ep_size: an expert's gradient then collects the tokens of ep_size ranks, and
     averaging it over the expert-data-parallel group (world/ep_size ranks) yields the
     same mean over all ranks that the dense parameters get from a world allreduce.
+
+    ``kernel`` chooses how the blocks run: "loop" (one matmul per expert on exactly its
+    rows), "padded" (batched matmuls over blocks padded to the largest), or "auto" (the
+    default): padded when that adds at most ``pad_limit`` of extra rows (near-balanced
+    routing, e.g. capacity-limited training), the loop otherwise. The padded path's memory
+    is bounded by the same limit, so skewed or dropless routing never pads E x S rows.
     """
+
+    KERNELS = ("auto", "loop", "padded")
 
     def __init__(
         self,
@@ -118,6 +187,8 @@ class Experts(nn.Module):
         self.d_model = d_model
         self.d_ffn = d_ffn
         self.grad_scale = 1.0
+        self.kernel = "auto"
+        self.pad_limit = 0.25
         kw = {"dtype": dtype, "device": device}
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ffn, **kw))
         self.b1 = nn.Parameter(torch.empty(num_local, d_ffn, **kw))
@@ -154,8 +225,17 @@ class Experts(nn.Module):
             x_ND, w1, b1, w2, b2 = (t.to(dt) for t in (x_ND, w1, b1, w2, b2))
         elif x_ND.dtype != w1.dtype:
             x_ND = x_ND.to(w1.dtype)
+        fn = _ExpertMLPPadded if self._use_padded(counts) else _ExpertMLP
         with torch.autocast(dev, enabled=False):
-            return _ExpertMLP.apply(x_ND, w1, b1, w2, b2, list(counts), self.grad_scale)
+            return fn.apply(x_ND, w1, b1, w2, b2, list(counts), self.grad_scale)
+
+    def _use_padded(self, counts: list[int]) -> bool:
+        if self.kernel not in self.KERNELS:
+            raise ValueError(f"Experts.kernel must be one of {self.KERNELS}, got {self.kernel!r}")
+        if self.kernel != "auto":
+            return self.kernel == "padded" and sum(counts) > 0
+        rows = sum(counts)
+        return rows > 0 and len(counts) > 1 and len(counts) * max(counts) <= (1 + self.pad_limit) * rows
 
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + self.num_local - 1} of "
