@@ -173,6 +173,27 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+def _report_freeze(emit: Any, opt: torch.optim.Optimizer, step: int, frac: float,
+                   rank: int) -> None:
+    """Record the freeze, and warn when clipping was routine during the warm-up.
+
+    Adam divides clipping's scale out again (m and sqrt(v) shrink alike). A frozen variance
+    cannot: the momentum then comes from each rank's clipped local gradient, whose norm
+    grows with gradient noise (more ranks, smaller batches), while v kept the scale of the
+    clipped averages. So a clip that acts on most steps becomes a hidden learning-rate
+    factor after the freeze (measured in docs/benchmarks.md: -4% loss at 2000 steps, i.e.
+    a different run, not a better optimizer). A threshold that only catches spikes is safe.
+    """
+    emit({"kind": "freeze", "step": step, "optimizer": type(opt).__name__,
+          "clipped_frac_before": frac})
+    if frac > 0.5 and rank == 0:
+        print(f"moebit: {type(opt).__name__} froze its variance after step {step}; gradient "
+              f"clipping acted on {frac:.0%} of the steps before. With a frozen variance it now "
+              "rescales every step (by each rank's local gradient norm): raise --grad-clip "
+              "above the usual gradient norm or set it to 0. See docs/optimizers.md.",
+              file=sys.stderr)
+
+
 class NonFiniteLoss(RuntimeError):
     """The loss or the gradients became NaN or inf and ``on_nan`` says stop."""
 
@@ -250,6 +271,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     t_start = time.perf_counter() - t_offset
     win_loss, win_aux, win_n, win_time = 0.0, 0.0, 0, 0.0
     win_norm, win_clipped = 0.0, 0
+    clipped_steps = 0
     win_stats = stats.snapshot()
     val_loss = float("nan")
     last_moe: dict[str, Any] = {}
@@ -288,8 +310,12 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                 bar.update(1)
             continue
         nan_streak = 0
+        was_frozen = getattr(opt, "frozen_at", None) is not None
         opt.step()
         dt = time.perf_counter() - t0
+        clipped_steps += int(cfg.grad_clip > 0 and norm > cfg.grad_clip)
+        if not was_frozen and getattr(opt, "frozen_at", None) is not None:
+            _report_freeze(emit, opt, step + 1, clipped_steps / (step + 1 - first_step), info.rank)
         train_time += dt
         win_time += dt
         win_loss += loss_value

@@ -153,3 +153,13 @@ def test_onebit_warmup_in_the_loop_equals_adam_clipping_included(small_corpus: P
     recs = [json.loads(x) for x in (tmp_path / "onebit" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
     assert train and all(r["clipped_frac"] == 1.0 for r in train), train
+
+
+def test_freeze_is_recorded_with_the_warm_up_clip_rate(small_corpus: Path, tmp_path: Path):
+    cfg = tiny_cfg(small_corpus, optimizer="onebit_adam", freeze_step=4, steps=8, eval_every=8,
+                   grad_clip=0.05)
+    s0, s1 = run_on_ranks(_train_body, 2, args=(cfg, str(tmp_path)), timeout=180)
+    assert s0["val_loss"] == s1["val_loss"] and s0["frozen_at"] == 4
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (freeze,) = [r for r in recs if r["kind"] == "freeze"]
+    assert freeze["step"] == 4 and freeze["clipped_frac_before"] == 1.0
