@@ -92,25 +92,54 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _step_offset(recs: list[dict[str, Any]]) -> int:
+    """A distilled student continues its teacher's training: its step s is drawn at the
+    teacher's last step + s, so teacher and students share one step axis."""
+    start = next((r for r in recs if r.get("kind") == "start"), {})
+    return int(start.get("teacher_step") or 0)
+
+
 def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
-    """Draw loss against step and against wall time, and expert load for MoE runs."""
+    """Draw loss against step and against wall time, and expert load for MoE runs.
+
+    With distillation runs among them, a third panel zooms on the students' steps, with
+    each teacher's final validation loss as a dashed line and the KD stop marked.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, (ax_step, ax_wall) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run in runs:
-        recs = read_metrics(run)
+    all_recs = [read_metrics(run) for run in runs]
+    distilled = any(_step_offset(recs) for recs in all_recs)
+    fig, axes = plt.subplots(1, 3 if distilled else 2, figsize=(18 if distilled else 12, 4.5))
+    ax_step, ax_wall = axes[0], axes[1]
+    ax_kd = axes[2] if distilled else None
+    lo = min((_step_offset(r) for r in all_recs if _step_offset(r)), default=0)
+    for run, recs in zip(runs, all_recs, strict=True):
         lab = label_of(run)
+        off = _step_offset(recs)
         tr = [r for r in recs if r.get("kind") == "train"]
         ev = [r for r in recs if r.get("kind") == "eval"]
-        line = ax_step.plot([r["step"] for r in tr], [r["loss"] for r in tr], alpha=0.35)[0]
+        line = ax_step.plot([off + r["step"] for r in tr], [r["loss"] for r in tr], alpha=0.35)[0]
         c = line.get_color()
-        ax_step.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=c,
+        ax_step.plot([off + r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=c,
                      label=f"{lab} val", ms=3)
         ax_wall.plot([r["wall"] for r in ev], [r["val_loss"] for r in ev], "o-", color=c,
                      label=lab, ms=3)
         frozen = next((r.get("frozen_at") for r in recs if r.get("kind") == "end"), None)
         if frozen:
-            ax_step.axvline(frozen, color=c, ls=":", lw=1)
+            ax_step.axvline(off + frozen, color=c, ls=":", lw=1)
+        if ax_kd is not None:
+            start = next((r for r in recs if r.get("kind") == "start"), {})
+            if off:
+                ax_kd.plot([off + r["step"] for r in ev], [r["val_loss"] for r in ev], "o-",
+                           color=c, label=lab, ms=3)
+                stop = next((r for r in recs if r.get("kind") == "kd_stop"), None)
+                if stop and stop.get("step"):
+                    ax_kd.axvline(off + stop["step"], color=c, ls=":", lw=1)
+            elif ev and ev[-1]["step"] >= lo:
+                ax_kd.axhline(ev[-1]["val_loss"], color=c, ls="--", lw=1,
+                              label=f"{lab}: final val")
+            if start.get("teacher_val_loss") is not None and off:
+                ax_kd.plot([off], [start["teacher_val_loss"]], "k*", ms=8)
     start = next((r for r in read_metrics(runs[0]) if r.get("kind") == "start"), {})
     for ax, xl in ((ax_step, "step"), (ax_wall, "wall time (s)")):
         if start.get("unigram_entropy"):
@@ -122,6 +151,13 @@ def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
     ax_step.set_title("loss against step (faint: train, dots: validation)")
     ax_wall.set_title("validation loss against wall time")
     ax_step.legend(fontsize=8)
+    if ax_kd is not None:
+        ax_kd.set_title("students after the teacher (dotted: KD stop, dashed: teacher's final "
+                        "val, star: teacher on\nthe students' val batches)", fontsize=9)
+        ax_kd.set_xlabel("step (teacher's steps + student's)")
+        ax_kd.set_ylabel("validation loss (nats/byte)")
+        ax_kd.grid(alpha=0.3)
+        ax_kd.legend(fontsize=7)
     fig.tight_layout()
     paths = [out_dir / "loss.png"]
     fig.savefig(paths[0], dpi=110)
