@@ -181,8 +181,8 @@ def _report_freeze(emit: Any, opt: torch.optim.Optimizer, step: int, frac: float
     cannot: the momentum then comes from each rank's clipped local gradient, whose norm
     grows with gradient noise (more ranks, smaller batches), while v kept the scale of the
     clipped averages. So a clip that acts on most steps becomes a hidden learning-rate
-    factor after the freeze (measured in docs/benchmarks.md: -4% loss at 2000 steps, i.e.
-    a different run, not a better optimizer). A threshold that only catches spikes is safe.
+    factor after the freeze (docs/optimizers.md: about 0.5x in our 2000-step run). A
+    threshold that only catches spikes is safe.
     """
     emit({"kind": "freeze", "step": step, "optimizer": type(opt).__name__,
           "clipped_frac_before": frac})
