@@ -136,15 +136,9 @@ def dropless(model: torch.nn.Module) -> Iterator[None]:
 
 
 def route(moe: torch.nn.Module, x_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate's eval-mode top-k choice (experts [S, k], weights [S, k]) without its losses
-    and statistics, which a decoding step has no use for and which cost about as much as
-    the routing itself at a few tokens. Same float32 router, softmax, top-k, normalisation."""
-    g, c = moe.gate, moe.config
-    with torch.autocast(device_type=x_SD.device.type, enabled=False):
-        probs_SE = torch.softmax(F.linear(x_SD.float(), g.router.weight.float()), dim=-1)
-        weight_SK, expert_SK = torch.topk(probs_SE, c.k, dim=-1)
-        if c.normalize_topk_weights and c.k > 1:
-            weight_SK = weight_SK / weight_SK.sum(-1, keepdim=True).clamp_min(1e-9)
+    """The gate's top-k choice (experts [S, k], weights [S, k]) without its losses and
+    statistics (``TopKGate.choose``); the model is in eval mode, so no routing noise."""
+    _, _, expert_SK, weight_SK = moe.gate.choose(x_SD)
     return expert_SK, weight_SK
 
 

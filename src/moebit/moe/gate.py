@@ -143,11 +143,12 @@ class TopKGate(nn.Module):
         cf = c.capacity_factor if self.training else c.eval_capacity_factor
         return compute_capacity(num_tokens, self.num_experts, self.k, cf, c.min_capacity)
 
-    def forward(self, x_SD: torch.Tensor) -> Routing:
-        if x_SD.dim() != 2 or x_SD.shape[1] != self.router.in_features:
-            raise ValueError(
-                f"TopKGate expects tokens [S, {self.router.in_features}], got {tuple(x_SD.shape)}"
-            )
+    def choose(
+        self, x_SD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routing decision alone: float32 logits and probabilities [S, E], experts and
+        weights [S, k]. No losses, capacity or statistics: decoding calls this directly,
+        where those would cost about as much as the routing itself at a few tokens."""
         c = self.config
         noisy = self.training and c.noise != "none"
         with torch.autocast(device_type=x_SD.device.type, enabled=False):
@@ -165,6 +166,16 @@ class TopKGate(nn.Module):
                 weight_SK, expert_SK = torch.topk(probs_SE, self.k, dim=-1)
             if c.normalize_topk_weights and self.k > 1:
                 weight_SK = weight_SK / weight_SK.sum(-1, keepdim=True).clamp_min(1e-9)
+        return logits_SE, probs_SE, expert_SK, weight_SK
+
+    def forward(self, x_SD: torch.Tensor) -> Routing:
+        if x_SD.dim() != 2 or x_SD.shape[1] != self.router.in_features:
+            raise ValueError(
+                f"TopKGate expects tokens [S, {self.router.in_features}], got {tuple(x_SD.shape)}"
+            )
+        c = self.config
+        logits_SE, probs_SE, expert_SK, weight_SK = self.choose(x_SD)
+        with torch.autocast(device_type=x_SD.device.type, enabled=False):
             aux = load_balancing_loss(probs_SE, expert_SK)
             z = router_z_loss(logits_SE)
 
