@@ -161,6 +161,7 @@ def test_padded_kernel_only_when_blocks_are_nearly_equal() -> None:
     assert ex._use_padded([10, 10, 9, 10])  # 40 padded rows for 39: within the 25% limit
     assert not ex._use_padded([40, 1, 1, 1])  # 160 padded rows for 43
     assert not ex._use_padded([0, 0, 0, 0])
+    assert not ex._use_padded([400, 400, 400, 400])  # large blocks: the loop keeps threads busy
     ex.kernel = "loop"
     assert not ex._use_padded([10, 10, 10, 10])
     ex.kernel = "padded"

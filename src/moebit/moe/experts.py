@@ -4,13 +4,19 @@ Weights are one tensor per projection (w1 [E_local, d, f], b1 [E_local, f], w2 [
 f, d], b2 [E_local, d]) rather than a ModuleList: one parameter per projection keeps
 optimizer state, checkpoint resharding and expert-parallel slicing simple.
 
-Execution is a Python loop over the experts' contiguous blocks inside one hand-written
-autograd node (`_ExpertMLP`). Measured here (2 threads, d 512, f 2048, 4096 tokens top-2
-over 64 experts, best of 3, machine shared with other jobs) forward+backward took 962 ms
-for the loop against 1100 ms for padding every block to the largest and running one
-baddbmm (bf16: 586 against 631 ms). Padding also does real FLOPs on zero rows, and its
-buffer is E_local x (largest block): with dropless routing that all goes to one expert,
-E x S rows, the memory blow-up this layer must not have.
+Two kernels, each one hand-written autograd node. ``_ExpertMLP`` loops over the experts'
+contiguous blocks, one matmul per expert on exactly its rows. ``_ExpertMLPPadded`` pads
+every block to the largest and runs batched matmuls, which the matmul library splits across
+threads by expert; that beats the loop when the blocks are nearly equal, as they are under
+a capacity limit. Measured on an idle 2-core machine (2 threads, d 512, f 2048, 4096 tokens,
+top-2 over 64 experts, capacity factor 1): forward+backward 821 ms padded against 859 ms for
+the loop in float32, 398 against 419 ms in bfloat16. (An earlier measurement, on a machine
+loaded by other jobs, favoured the loop: 962 against 1100 ms.) Padding costs FLOPs on zero rows and
+memory (about 90 MB more at peak there). With larger blocks (E=32, k=2: 256 rows) the
+loop wins (673 against 742 ms): one matmul per block already keeps both threads busy.
+With skewed or dropless routing, for example every
+token sent to one expert, it would pad E x S rows, so ``Experts`` takes the padded path only
+when it adds at most ``pad_limit`` (25%) of extra rows.
 """
 
 from __future__ import annotations
@@ -157,8 +163,11 @@ class Experts(nn.Module):
 
     ``kernel`` chooses how the blocks run: "loop" (one matmul per expert on exactly its
     rows), "padded" (batched matmuls over blocks padded to the largest), or "auto" (the
-    default): padded when that adds at most ``pad_limit`` of extra rows (near-balanced
-    routing, e.g. capacity-limited training), the loop otherwise. The padded path's memory
+    default): padded when the blocks are small (at most ``pad_below_rows`` rows on
+    average, where one matmul per block leaves threads idle) and padding adds at most
+    ``pad_limit`` of extra rows (near-balanced routing, e.g. capacity-limited training);
+    the loop otherwise. Measured (docs/benchmarks.md): padded wins at 64-128 rows per
+    block, the loop at 256 and more. The padded path's memory
     is bounded by the same limit, so skewed or dropless routing never pads E x S rows.
     """
 
@@ -189,6 +198,7 @@ class Experts(nn.Module):
         self.grad_scale = 1.0
         self.kernel = "auto"
         self.pad_limit = 0.25
+        self.pad_below_rows = 192
         kw = {"dtype": dtype, "device": device}
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ffn, **kw))
         self.b1 = nn.Parameter(torch.empty(num_local, d_ffn, **kw))
@@ -234,8 +244,9 @@ class Experts(nn.Module):
             raise ValueError(f"Experts.kernel must be one of {self.KERNELS}, got {self.kernel!r}")
         if self.kernel != "auto":
             return self.kernel == "padded" and sum(counts) > 0
-        rows = sum(counts)
-        return rows > 0 and len(counts) > 1 and len(counts) * max(counts) <= (1 + self.pad_limit) * rows
+        rows, n = sum(counts), len(counts)
+        return (rows > 0 and n > 1 and rows <= self.pad_below_rows * n
+                and n * max(counts) <= (1 + self.pad_limit) * rows)
 
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + self.num_local - 1} of "
