@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError, ValueError, RuntimeError) as e:
         print(f"moebit {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `moebit report ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
