@@ -200,6 +200,10 @@ class CompressedOptimizer(Optimizer):
         warm-up). Only then may a caller average them itself and call ``grads_are_averaged``."""
         return self._frozen_at is None
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._preaveraged = False  # the mark belongs to the gradients it was given for
+        super().zero_grad(set_to_none=set_to_none)
+
     def grads_are_averaged(self) -> None:
         """Say that this step's ``p.grad`` already hold the average over each group's process
         group (a missing grad counting as zeros), so the next ``step()`` does not average again.
