@@ -22,10 +22,7 @@ from pathlib import Path
 
 DEMO_MODEL = ["--n-layer", "4", "--n-head", "4", "--d-model", "192", "--block-size", "128",
               "--batch-size", "16", "--lr", "2e-3", "--warmup-steps", "30", "--eval-every", "50",
-              "--dtype", "bf16",
-              # No clipping: at this size the clip would act on most steps, and after the
-              # freeze it would rescale 1-bit Adam's steps (docs/optimizers.md).
-              "--grad-clip", "0"]
+              "--dtype", "bf16"]
 
 PLAN = [
     ("adam", ["--optimizer", "adam"]),
