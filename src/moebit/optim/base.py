@@ -140,7 +140,7 @@ class CompressedOptimizer(Optimizer):
     ``step`` runs the two stages every member shares: exact warm-up per bucket until
     ``_should_freeze``, then ``_freeze`` and the compressed update per bucket. Subclasses
     implement ``_warmup_bucket``, ``_should_freeze``, ``_freeze`` and ``_compressed_bucket``
-    (0/1 Adam, whose stages differ, overrides ``step`` itself). Other hooks: ``_flat_names``
+    (0/1 Adam, whose stages differ, overrides ``_step`` instead). Other hooks: ``_flat_names``
     (buffers allocated for every bucket at its first step), ``_extra_state``/
     ``_load_extra_state`` (their own counters), ``_after_load``.
     """
@@ -182,7 +182,13 @@ class CompressedOptimizer(Optimizer):
                 loss = closure()
         self._build_buckets()
         self._step_count += 1
-        t = self._step_count
+        self._step(self._step_count)
+        self._preaveraged = False
+        return loss
+
+    def _step(self, t: int) -> None:
+        """Step ``t`` (1-based): warm-up buckets until the freeze, compressed ones after.
+        0/1 Adam replaces this whole schedule; the others fill in the per-bucket hooks."""
         if self._frozen_at is None:
             for _, group, b in self._iter_buckets():
                 self._warmup_bucket(group, b, t)
@@ -191,8 +197,6 @@ class CompressedOptimizer(Optimizer):
         else:
             for gi, group, b in self._iter_buckets():
                 self._compressed_bucket(gi, group, b, t)
-        self._preaveraged = False
-        return loss
 
     @property
     def next_step_averages_exactly(self) -> bool:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -139,15 +139,7 @@ class ZeroOneAdam(CompressedOptimizer):
         return "variance" if self._frozen_at is None else "local"
 
     # ----------------------------------------------------------------------- stepping
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._build_buckets()
-        self._step_count += 1
-        t = self._step_count
+    def _step(self, t: int) -> None:
         if self._frozen_at is None:
             self._stage1(t)
             if t >= self.var_freeze_step:
@@ -161,8 +153,6 @@ class ZeroOneAdam(CompressedOptimizer):
             if self.local_step_counter >= self.local_step_scaler:
                 self.local_step_counter = 0
                 self.local_step_interval = min(2 * self.local_step_interval, self.local_step_clipper)
-        self._preaveraged = False
-        return loss
 
     @property
     def next_step_averages_exactly(self) -> bool:
