@@ -66,14 +66,21 @@ def _train_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_train_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
-    ap = _train_parser()
+def parse_known(ap: argparse.ArgumentParser, argv: list[str],
+                cmd: str) -> tuple[argparse.Namespace, list[str]]:
+    """argparse's parse_known_args, with its exit on bad input turned into a UsageError
+    (``--help`` still exits)."""
     try:
-        ns, unknown = ap.parse_known_args(argv)
+        return ap.parse_known_args(argv)
     except SystemExit as e:
         if e.code == 0:  # --help
             raise
-        raise UsageError("bad arguments to moebit train (see above)") from e
+        raise UsageError(f"bad arguments to moebit {cmd} (see above)") from e
+
+
+def parse_train_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
+    ap = _train_parser()
+    ns, unknown = parse_known(ap, argv, "train")
     if unknown:
         raise UsageError(f"unknown flag {unknown[0]!r} for moebit train (see moebit train --help)")
     given = vars(ns)

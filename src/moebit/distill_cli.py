@@ -21,7 +21,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from moebit.cli import INTERNAL_FIELDS, LAUNCH_FLAGS, UsageError, prepare_run_dir, torchrun_args
+from moebit.cli import (
+    INTERNAL_FIELDS,
+    LAUNCH_FLAGS,
+    UsageError,
+    parse_known,
+    prepare_run_dir,
+    torchrun_args,
+)
 from moebit.config import TrainConfig
 from moebit.distill import (
     DISTILL_FILE,
@@ -83,12 +90,7 @@ def _keep_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, Any]]:
     ap = _parser()
-    try:
-        ns, unknown = ap.parse_known_args(argv)
-    except SystemExit as e:
-        if e.code == 0:  # --help
-            raise
-        raise UsageError("bad arguments to moebit distill (see above)") from e
+    ns, unknown = parse_known(ap, argv, "distill")
     if unknown:
         fixed = {"--" + k.replace("_", "-") for k in FIXED_BY_TEACHER}
         flag = unknown[0].split("=")[0]
