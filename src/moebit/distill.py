@@ -425,12 +425,14 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
             kd_value = float(kd.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        tr.average_for_step(opt)
+        averaged = tr.average_for_step(opt)
         norm = tr.clip_gradients(model, cfg.grad_clip)
         loss_value = float(out.loss.detach())
-        if not (math.isfinite(loss_value) and math.isfinite(norm)):
-            raise tr.NonFiniteLoss(f"non-finite loss or gradient at step {step + 1} "
-                                   f"(loss={loss_value}, grad norm={norm})")
+        # Every rank must agree before raising: a lone rank that stops leaves the others
+        # blocked in the optimizer's collective until the process-group timeout.
+        if tr.any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), not averaged):
+            raise tr.NonFiniteLoss(f"non-finite loss or gradient at step {step + 1} on some "
+                                   f"rank (this rank: loss={loss_value}, grad norm={norm})")
         opt.step()
         dt = time.perf_counter() - t0
         train_time += dt

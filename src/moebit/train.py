@@ -198,7 +198,7 @@ class NonFiniteLoss(RuntimeError):
     """The loss or the gradients became NaN or inf and ``on_nan`` says stop."""
 
 
-def _any_rank(flag: bool, local_grads: bool) -> bool:
+def any_rank(flag: bool, local_grads: bool) -> bool:
     """Whether any rank saw ``flag``: the step is skipped everywhere or nowhere.
 
     With exact gradient averaging a NaN on one rank reaches every rank's gradients, so
@@ -293,7 +293,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         averaged = average_for_step(opt)
         norm = clip_gradients(model, cfg.grad_clip)
         loss_value = float(out.loss.detach())
-        if _any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), not averaged):
+        if any_rank(not (math.isfinite(loss_value) and math.isfinite(norm)), not averaged):
             nan_streak += 1
             nan_total += 1
             emit({"kind": "nan", "step": step + 1, "loss": loss_value, "grad_norm": norm,

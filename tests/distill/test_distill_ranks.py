@@ -135,3 +135,48 @@ def test_cli_launches_ranks_and_refuses_bad_students(distilled, tmp_path: Path):
     assert (run / "loss.png").is_file()
     table, _ = report([str(teacher_run), str(run)], str(tmp_path))
     assert "nokd" in table and "teacher" in table
+
+
+def _distill_with_nan_on_rank1(rank: int, world: int, cfg_dict: dict, d_dict: dict,
+                               run_dir: str) -> str:
+    """Rank 1 alone gets a NaN loss at step 3, after 1-bit Adam's freeze: no exact gradient
+    average, and no expert parallelism, so nothing carries the NaN to rank 0's gradients."""
+    from moebit.distill import distill
+    from moebit.distributed import init_from_env
+    from moebit.models import gpt
+    from moebit.train import NonFiniteLoss
+
+    original = gpt.GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, caches=None):
+        out = original(self, idx, targets, caches)
+        if self.training and targets is not None:
+            calls["n"] += 1
+            if rank == 1 and calls["n"] == 3:
+                out.loss = out.loss * float("nan")
+        return out
+
+    gpt.GPT.forward = poisoned
+    try:
+        distill(build(cfg_dict), DistillConfig.from_dict(d_dict), Path(run_dir),
+                init_from_env("cpu"))
+    except NonFiniteLoss as e:
+        return f"stopped: {e}"
+    return "finished"
+
+
+def test_a_nan_on_one_rank_stops_every_rank(distilled, small_corpus: Path, tmp_path: Path):
+    """Without agreement the healthy rank would block in the optimizer's collective until
+    the process-group timeout; every rank must raise the same error at the same step."""
+    teacher_run = distilled[0]
+    t_cfg = build(teacher_cfg(small_corpus))
+    d = DistillConfig(teacher=str(teacher_run), student_layers=2)
+    # ep 1: with ep 2 the MoE's all-to-all would carry the NaN to rank 0 in the backward
+    cfg, keep = student_train_config(t_cfg, d, {"steps": 6, "optimizer": "onebit_adam",
+                                                "freeze_step": 1, "eval_every": 100,
+                                                "ep_size": 1})
+    d.keep_layers = keep
+    res = run_on_ranks(_distill_with_nan_on_rank1, 2,
+                       args=(cfg.to_dict(), d.to_dict(), str(tmp_path)), timeout=90)
+    assert all(r.startswith("stopped: non-finite loss or gradient at step 3") for r in res), res
