@@ -143,21 +143,10 @@ def _distill_with_nan_on_rank1(rank: int, world: int, cfg_dict: dict, d_dict: di
     average, and no expert parallelism, so nothing carries the NaN to rank 0's gradients."""
     from moebit.distill import distill
     from moebit.distributed import init_from_env
-    from moebit.models import gpt
+    from moebit.testing_toys import poison_gpt_loss
     from moebit.train import NonFiniteLoss
 
-    original = gpt.GPT.forward
-    calls = {"n": 0}
-
-    def poisoned(self, idx, targets=None, caches=None):
-        out = original(self, idx, targets, caches)
-        if self.training and targets is not None:
-            calls["n"] += 1
-            if rank == 1 and calls["n"] == 3:
-                out.loss = out.loss * float("nan")
-        return out
-
-    gpt.GPT.forward = poisoned
+    poison_gpt_loss(rank, on_rank=1, at_call=3)
     try:
         distill(build(cfg_dict), DistillConfig.from_dict(d_dict), Path(run_dir),
                 init_from_env("cpu"))

@@ -172,23 +172,8 @@ def test_nan_loss_is_skipped_or_stops(small_corpus: Path, tmp_path: Path, policy
 def _run_with_nan(rank: int, world: int, cfg_dict: dict, run_dir: str, policy: str):
     """Rank 1 produces a NaN loss at step 3; every rank must take the same decision."""
     from moebit.distributed import init_from_env
-    from moebit.models import gpt
+    from moebit.testing_toys import poison_gpt_loss
     from moebit.train import _train
 
-    original = gpt.GPT.forward
-    calls = {"n": 0}
-
-    def poisoned(self, idx, targets=None, caches=None):
-        out = original(self, idx, targets, caches)
-        if self.training and targets is not None:
-            calls["n"] += 1
-            if rank == 1 and calls["n"] == 3:
-                out.loss = out.loss * float("nan")
-        return out
-
-    gpt.GPT.forward = poisoned
-    summary = _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
-    if policy == "skip":
-        # NaN never entered the optimizer state.
-        pass
-    return summary
+    poison_gpt_loss(rank, on_rank=1, at_call=3)
+    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))

@@ -10,24 +10,11 @@ import pytest
 import torch
 
 from moebit.optim import Lamb, OnebitLamb, build_optimizer, optimizer_from_deepspeed_config
+from moebit.testing_toys import fit, flat_params, regression_mlp, sum_batch
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-
-def _train(model, opt, steps: range) -> None:
-    for t in steps:
-        g = torch.Generator().manual_seed(t)
-        x = torch.randn(16, 6, generator=g)
-        opt.zero_grad()
-        ((model(x) - x[:, :2].sum(1, keepdim=True)) ** 2).mean().backward()
-        opt.step()
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    return regression_mlp(seed, n_in=6, hidden=16)
 
 
 def test_lamb_matches_the_formula_written_out() -> None:
@@ -69,9 +56,9 @@ def test_onebit_lamb_warmup_is_lamb_bit_for_bit() -> None:
     a, b = _model(), _model()
     ob = OnebitLamb(a.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=1000)
     ref = Lamb(b.parameters(), lr=1e-2, weight_decay=0.01)
-    _train(a, ob, range(20))
-    _train(b, ref, range(20))
-    assert torch.equal(_flat(a), _flat(b))
+    fit(a, ob, 0, range(20), batch=sum_batch)
+    fit(b, ref, 0, range(20), batch=sum_batch)
+    assert torch.equal(flat_params(a), flat_params(b))
     assert ob.comm_stage == "warmup" and ob.frozen_at is None
 
 
@@ -79,7 +66,7 @@ def test_compression_stage_factor_rules_and_exact_resume() -> None:
     kw = dict(lr=1e-2, weight_decay=0.01, freeze_step=6, factor_threshold=0.05)
     model = _model()
     opt = OnebitLamb(model.parameters(), **kw)
-    _train(model, opt, range(6))
+    fit(model, opt, 0, range(6), batch=sum_batch)
     vec = opt._coeff["group0"]
     frozen = vec["coeff_frozen"].clone()
     # Frozen coefficient: the bias-corrected EMA of clipped trust ratios.
@@ -88,7 +75,7 @@ def test_compression_stage_factor_rules_and_exact_resume() -> None:
         assert torch.equal(opt.state[p]["exp_avg_sq_fresh"], opt.state[p]["exp_avg_sq"])
     last = vec["last_factor"].clone()
     for t in range(6, 16):
-        _train(model, opt, range(t, t + 1))
+        fit(model, opt, 0, range(t, t + 1), batch=sum_batch)
         f = vec["last_factor"]
         assert bool((f <= last * 1.05 + 1e-6).all()) and bool((f >= last * 0.95 - 1e-6).all())
         assert bool((f >= 0.5).all()) and bool((f <= 4.0).all())
@@ -98,7 +85,7 @@ def test_compression_stage_factor_rules_and_exact_resume() -> None:
 
     half = _model()
     hopt = OnebitLamb(half.parameters(), **kw)
-    _train(half, hopt, range(10))
+    fit(half, hopt, 0, range(10), batch=sum_batch)
     buf = io.BytesIO()
     torch.save({"m": half.state_dict(), "o": hopt.state_dict()}, buf)
     buf.seek(0)
@@ -107,8 +94,8 @@ def test_compression_stage_factor_rules_and_exact_resume() -> None:
     resumed.load_state_dict(saved["m"])
     ropt = OnebitLamb(resumed.parameters(), **kw)
     ropt.load_state_dict(saved["o"])
-    _train(resumed, ropt, range(10, 16))
-    assert torch.equal(_flat(resumed), _flat(model))
+    fit(resumed, ropt, 0, range(10, 16), batch=sum_batch)
+    assert torch.equal(flat_params(resumed), flat_params(model))
 
 
 def test_one_rank_compression_stage_keeps_v_fresh_tracking_the_gradient() -> None:

@@ -13,53 +13,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moebit import distributed as mdist
 from moebit.comm import stats
 from moebit.optim import OnebitAdam
 from moebit.testing import run_on_ranks
+from moebit.testing_toys import fit, flat_params, held_out_loss, regression_batch, regression_mlp
 
 TIMEOUT = 150
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)  # identical start on every rank
-    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
-    x = torch.randn(32, 10, generator=g)
-    y = x[:, :3].sum(1, keepdim=True) - x[:, 5:6] * x[:, 6:7] + 0.1 * torch.randn(32, 1, generator=g)
-    return x, y
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def _run(model, opt, rank: int, steps: range) -> list[float]:
-    losses = []
-    for t in steps:
-        x, y = _batch(rank, t)
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _through_the_freeze(rank: int, world: int) -> dict:
     """Replicas stay bitwise identical; resume is bit-exact; memory; what goes on the wire."""
     out: dict = {"params": {}}
     kw = dict(lr=5e-3, weight_decay=0.01, freeze_step=8)
-    model = _model()
+    model = regression_mlp()
     opt = OnebitAdam(model.parameters(), **kw)
     stats.reset()
     for t in range(24):
-        _run(model, opt, rank, range(t, t + 1))
+        fit(model, opt, rank, range(t, t + 1))
         if t + 1 in (1, 8, 9, 24):
-            out["params"][t + 1] = _flat(model)
+            out["params"][t + 1] = flat_params(model)
         if t + 1 == 8:
             warm = stats.snapshot()
             assert opt.comm_stage == "compressed" and opt.frozen_at == 8
@@ -71,9 +43,9 @@ def _through_the_freeze(rank: int, world: int) -> dict:
     n = sum(p.numel() for p in model.parameters())
     out["fp32_bytes_16_steps"] = 16 * stats.ring_allreduce_bytes(4 * n, world)
 
-    ref = _model()
+    ref = regression_mlp()
     adam = torch.optim.Adam(ref.parameters())
-    _run(ref, adam, rank, range(1))
+    fit(ref, adam, rank, range(1))
     adam_bytes = sum(
         s[k].numel() * s[k].element_size() for s in adam.state.values()
         for k in ("exp_avg", "exp_avg_sq")
@@ -82,9 +54,9 @@ def _through_the_freeze(rank: int, world: int) -> dict:
     out["numel"] = n
 
     # Resume: 12 steps, save (each rank its own), rebuild from a different init, 12 more.
-    half = _model()
+    half = regression_mlp()
     half_opt = OnebitAdam(half.parameters(), **kw)
-    _run(half, half_opt, rank, range(12))
+    fit(half, half_opt, rank, range(12))
     buf = io.BytesIO()
     torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
     buf.seek(0)
@@ -97,8 +69,8 @@ def _through_the_freeze(rank: int, world: int) -> dict:
     resumed.load_state_dict(saved["model"])
     resumed_opt = OnebitAdam(resumed.parameters(), **kw)
     resumed_opt.load_state_dict(saved["opt"])
-    _run(resumed, resumed_opt, rank, range(12, 24))
-    out["resumed"] = _flat(resumed)
+    fit(resumed, resumed_opt, rank, range(12, 24))
+    out["resumed"] = flat_params(resumed)
     assert resumed_opt.frozen_at == 8 and resumed_opt.step_count == 24
     out.update(_expert_groups(rank, world))
     return out
@@ -145,7 +117,7 @@ def test_replicas_identical_resume_exact_memory_wire_and_groups(ranks) -> None:
 
 def test_checkpoint_from_2_ranks_loads_on_one_with_a_warning(ranks) -> None:
     saved = torch.load(io.BytesIO(ranks[0]["freeze"]["checkpoint"]), weights_only=True)
-    model = _model()
+    model = regression_mlp()
     model.load_state_dict(saved["model"])
     opt = OnebitAdam(model.parameters(), lr=5e-3, weight_decay=0.01, freeze_step=8)
     with pytest.warns(UserWarning, match="error buffers are dropped"):
@@ -154,7 +126,7 @@ def test_checkpoint_from_2_ranks_loads_on_one_with_a_warning(ranks) -> None:
     for p, m in zip(model.parameters(), saved["opt"]["onebit"]["buckets"][0][0]["exp_avg"]
                     .split([q.numel() for q in model.parameters()]), strict=True):
         assert torch.equal(opt.state[p]["exp_avg"].reshape(-1), m)
-    _run(model, opt, 0, range(12, 14))  # and it keeps training, alone
+    fit(model, opt, 0, range(12, 14))  # and it keeps training, alone
     assert opt.step_count == 14
 
 
@@ -162,7 +134,7 @@ def _converge(rank: int, world: int, steps: int) -> dict:
     """Same data, same init, cosine lr: 1-bit Adam (freeze at 20%) against averaged Adam."""
     losses = {}
     for name in ("adam", "onebit"):
-        model = _model()
+        model = regression_mlp()
         if name == "adam":
             opt = torch.optim.Adam(model.parameters(), lr=2e-2)
         else:
@@ -170,21 +142,11 @@ def _converge(rank: int, world: int, steps: int) -> dict:
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))
         )
-        for t in range(steps):
-            x, y = _batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            if name == "adam":
-                mdist.allreduce_mean_([p.grad for p in model.parameters()])
-            opt.step()
-            sched.step()
-        x, y = _batch(rank=7, step=10_000)  # the same held-out batch on both ranks
-        with torch.no_grad():
-            losses[name] = ((model(x) - y) ** 2).mean().item()
+        fit(model, opt, rank, range(steps), average=name == "adam", sched=sched)
+        losses[name] = held_out_loss(model)
         if name == "onebit":
             assert opt.comm_stage == "compressed"
-    x, y = _batch(rank=7, step=10_000)
-    losses["start"] = ((_model()(x) - y) ** 2).mean().item()
+    losses["start"] = held_out_loss(regression_mlp())
     return losses
 
 
@@ -209,7 +171,7 @@ def _expert_groups(rank: int, world: int) -> dict:
         freeze_step=3,
     )
     for t in range(6):
-        x, _ = _batch(rank, t)
+        x, _ = regression_batch(rank, t)
         opt.zero_grad()
         (dense(x[:, :4]).pow(2).mean() + expert(x[:, :4]).pow(2).mean()).backward()
         opt.step()
@@ -223,7 +185,7 @@ def _expert_groups(rank: int, world: int) -> dict:
     for t in range(12):
         p.grad = torch.full((64,), 1.0 if rank == 0 else 1.5**t)
         auto.step()
-    return {"dense": _flat(dense), "expert": _flat(expert), "auto_frozen_at": auto.frozen_at}
+    return {"dense": flat_params(dense), "expert": flat_params(expert), "auto_frozen_at": auto.frozen_at}
 
 
 
@@ -234,12 +196,12 @@ def _ddp_and_standalone(rank: int, world: int) -> dict:
     from moebit.comm.hooks import FreezableAllreduceState, freezable_allreduce_hook
 
     out: dict = {}
-    plain = _model()
+    plain = regression_mlp()
     opt = OnebitAdam(plain.parameters(), lr=5e-3, freeze_step=6)
-    _run(plain, opt, rank, range(15))
-    out["standalone"] = _flat(plain)
+    fit(plain, opt, rank, range(15))
+    out["standalone"] = flat_params(plain)
 
-    ddp = DDP(_model())
+    ddp = DDP(regression_mlp())
     hook_state = FreezableAllreduceState()
     ddp.register_comm_hook(hook_state, freezable_allreduce_hook)
     opt = OnebitAdam(
@@ -247,14 +209,14 @@ def _ddp_and_standalone(rank: int, world: int) -> dict:
         grads_averaged_externally=True, ddp_hook_state=hook_state,
     )
     stats.reset()
-    _run(ddp, opt, rank, range(6))
+    fit(ddp, opt, rank, range(6))
     warm = stats.snapshot()
     out["frozen_after_warmup"] = hook_state.frozen
-    _run(ddp, opt, rank, range(6, 15))
+    fit(ddp, opt, rank, range(6, 15))
     after = stats.snapshot().minus(warm)
     out["warm_ops"] = {k for k, v in warm.ops.items() if v.calls}
     out["after_ops"] = {k for k, v in after.ops.items() if v.calls}
-    out["ddp"] = _flat(ddp.module)
+    out["ddp"] = flat_params(ddp.module)
     return out
 
 

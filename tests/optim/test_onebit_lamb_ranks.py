@@ -12,49 +12,23 @@ import math
 import pytest
 import torch
 
-from moebit import distributed as mdist
 from moebit.comm import stats
 from moebit.optim import Lamb, OnebitLamb
 from moebit.testing import run_on_ranks
+from moebit.testing_toys import fit, flat_params, held_out_loss, regression_mlp
 
 TIMEOUT = 150
 KW = dict(lr=2e-2, weight_decay=0.01, freeze_step=8)
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
-    x = torch.randn(32, 10, generator=g)
-    y = x[:, :3].sum(1, keepdim=True) - x[:, 5:6] * x[:, 6:7] + 0.1 * torch.randn(32, 1, generator=g)
-    return x, y
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def _run(model, opt, rank: int, steps: range, average: bool = False) -> None:
-    for t in steps:
-        x, y = _batch(rank, t)
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        if average:
-            mdist.allreduce_mean_([p.grad for p in model.parameters()])
-        opt.step()
-
-
 def _through_the_freeze(rank: int, world: int) -> dict:
     out: dict = {"params": {}}
-    model = _model()
+    model = regression_mlp()
     opt = OnebitLamb(model.parameters(), **KW)
     stats.reset()
     for t in range(24):
-        _run(model, opt, rank, range(t, t + 1))
-        out["params"][t + 1] = _flat(model)
+        fit(model, opt, rank, range(t, t + 1))
+        out["params"][t + 1] = flat_params(model)
         if t + 1 == 8:
             warm = stats.snapshot()
             assert opt.comm_stage == "compressed" and opt.frozen_at == 8
@@ -66,19 +40,19 @@ def _through_the_freeze(rank: int, world: int) -> dict:
     out["fp32_bytes_16_steps"] = 16 * stats.ring_allreduce_bytes(4 * n, world)
     out["coeffs"] = opt.lamb_coeffs["group0"].clone()
 
-    half = _model()
+    half = regression_mlp()
     half_opt = OnebitLamb(half.parameters(), **KW)
-    _run(half, half_opt, rank, range(12))
+    fit(half, half_opt, rank, range(12))
     buf = io.BytesIO()
     torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    resumed = _model(seed=99)
+    resumed = regression_mlp(seed=99)
     resumed.load_state_dict(saved["model"])
     resumed_opt = OnebitLamb(resumed.parameters(), **KW)
     resumed_opt.load_state_dict(saved["opt"])
-    _run(resumed, resumed_opt, rank, range(12, 24))
-    out["resumed"] = _flat(resumed)
+    fit(resumed, resumed_opt, rank, range(12, 24))
+    out["resumed"] = flat_params(resumed)
     return out
 
 
@@ -86,27 +60,18 @@ def _converge(rank: int, world: int, steps: int = 300) -> dict:
     """Same data, init and cosine lr: 1-bit LAMB (warm-up 20%) against LAMB on averages."""
     losses: dict = {}
     for name in ("lamb", "onebit"):
-        model = _model()
+        model = regression_mlp()
         if name == "lamb":
             opt = Lamb(model.parameters(), lr=5e-2)
         else:
             opt = OnebitLamb(model.parameters(), lr=5e-2, freeze_step=steps // 5)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
-        _run_sched(model, opt, sched, rank, steps, average=name == "lamb")
-        x, y = _batch(rank=7, step=10_000)
-        with torch.no_grad():
-            losses[name] = ((model(x) - y) ** 2).mean().item()
-        losses[name + "_params"] = _flat(model)
-    x, y = _batch(rank=7, step=10_000)
-    losses["start"] = ((_model()(x) - y) ** 2).mean().item()
+        fit(model, opt, rank, range(steps), average=name == "lamb", sched=sched)
+        losses[name] = held_out_loss(model)
+        losses[name + "_params"] = flat_params(model)
+    losses["start"] = held_out_loss(regression_mlp())
     return losses
-
-
-def _run_sched(model, opt, sched, rank: int, steps: int, average: bool) -> None:
-    for t in range(steps):
-        _run(model, opt, rank, range(t, t + 1), average=average)
-        sched.step()
 
 
 def _everything(rank: int, world: int) -> dict:

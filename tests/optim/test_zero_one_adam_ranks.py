@@ -12,51 +12,28 @@ import math
 import pytest
 import torch
 
-from moebit import distributed as mdist
 from moebit.comm import stats
 from moebit.optim import ZeroOneAdam
 from moebit.testing import run_on_ranks
+from moebit.testing_toys import fit, flat_params, held_out_loss, regression_mlp
 
 TIMEOUT = 150
 KW = dict(lr=5e-3, weight_decay=0.01, var_freeze_step=10, var_update_scaler=2,
           local_step_scaler=4, local_step_clipper=4)
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
-    x = torch.randn(32, 10, generator=g)
-    y = x[:, :3].sum(1, keepdim=True) - x[:, 5:6] * x[:, 6:7] + 0.1 * torch.randn(32, 1, generator=g)
-    return x, y
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def _one_step(model, opt, rank: int, t: int) -> None:
-    x, y = _batch(rank, t)
-    opt.zero_grad()
-    ((model(x) - y) ** 2).mean().backward()
-    opt.step()
-
-
 def _schedule_and_resume(rank: int, world: int) -> dict:
-    model = _model()
+    model = regression_mlp()
     opt = ZeroOneAdam(model.parameters(), **KW)
     per_step = []
     for t in range(40):
         before = stats.snapshot()
-        _one_step(model, opt, rank, t)
+        fit(model, opt, rank, [t])
         d = stats.snapshot().minus(before)
         per_step.append({
             "ops": {k: v.calls for k, v in d.ops.items() if v.calls},
             "bytes": d.bytes_sent,
-            "params": _flat(model),
+            "params": flat_params(model),
             "stage": opt.comm_stage,
             "rounds": opt.comm_rounds,
         })
@@ -64,22 +41,22 @@ def _schedule_and_resume(rank: int, world: int) -> dict:
         next(iter(model.parameters()))])}
 
     # Resume in the middle of a local interval (step 20: two local steps since the sync at 18).
-    half = _model()
+    half = regression_mlp()
     half_opt = ZeroOneAdam(half.parameters(), **KW)
     for t in range(20):
-        _one_step(half, half_opt, rank, t)
+        fit(half, half_opt, rank, [t])
     assert half_opt.since_sync == 2
     buf = io.BytesIO()
     torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    resumed = _model(seed=99)
+    resumed = regression_mlp(seed=99)
     resumed.load_state_dict(saved["model"])
     resumed_opt = ZeroOneAdam(resumed.parameters(), **KW)
     resumed_opt.load_state_dict(saved["opt"])
     for t in range(20, 40):
-        _one_step(resumed, resumed_opt, rank, t)
-    out["resumed"] = _flat(resumed)
+        fit(resumed, resumed_opt, rank, [t])
+    out["resumed"] = flat_params(resumed)
     out["resumed_rounds"] = resumed_opt.comm_rounds
     return out
 
@@ -88,7 +65,7 @@ def _converge(rank: int, world: int, steps: int = 300) -> dict:
     """Same data, init and cosine lr: 0/1 Adam (stage 1 for 20%) against averaged Adam."""
     losses: dict = {}
     for name in ("adam", "zero_one"):
-        model = _model()
+        model = regression_mlp()
         if name == "adam":
             opt = torch.optim.Adam(model.parameters(), lr=2e-2)
         else:
@@ -96,23 +73,13 @@ def _converge(rank: int, world: int, steps: int = 300) -> dict:
                               local_step_scaler=30, local_step_clipper=8)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
-        for t in range(steps):
-            x, y = _batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            if name == "adam":
-                mdist.allreduce_mean_([p.grad for p in model.parameters()])
-            opt.step()
-            sched.step()
+        fit(model, opt, rank, range(steps), average=name == "adam", sched=sched)
         if name == "zero_one":
             opt.synchronize()
             losses["rounds"] = opt.comm_rounds
-            losses["params"] = _flat(model)
-        x, y = _batch(rank=7, step=10_000)
-        with torch.no_grad():
-            losses[name] = ((model(x) - y) ** 2).mean().item()
-    x, y = _batch(rank=7, step=10_000)
-    losses["start"] = ((_model()(x) - y) ** 2).mean().item()
+            losses["params"] = flat_params(model)
+        losses[name] = held_out_loss(model)
+    losses["start"] = held_out_loss(regression_mlp())
     return losses
 
 

@@ -9,24 +9,11 @@ import pytest
 import torch
 
 from moebit.optim import ZeroOneAdam, build_optimizer, optimizer_from_deepspeed_config
+from moebit.testing_toys import fit, flat_params, regression_mlp, sum_batch
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-
-def _train(model, opt, steps: range) -> None:
-    for t in steps:
-        g = torch.Generator().manual_seed(t)
-        x = torch.randn(16, 6, generator=g)
-        opt.zero_grad()
-        ((model(x) - x[:, :2].sum(1, keepdim=True)) ** 2).mean().backward()
-        opt.step()
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    return regression_mlp(seed, n_in=6, hidden=16)
 
 
 def test_stage1_refreshing_every_step_is_torch_adamw_bit_for_bit() -> None:
@@ -34,9 +21,9 @@ def test_stage1_refreshing_every_step_is_torch_adamw_bit_for_bit() -> None:
     zo = ZeroOneAdam(a.parameters(), lr=1e-2, weight_decay=0.1, var_freeze_step=1000,
                      var_update_scaler=10**6)
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
-    _train(a, zo, range(25))
-    _train(b, ref, range(25))
-    assert torch.equal(_flat(a), _flat(b))
+    fit(a, zo, 0, range(25), batch=sum_batch)
+    fit(b, ref, 0, range(25), batch=sum_batch)
+    assert torch.equal(flat_params(a), flat_params(b))
     assert zo.comm_stage == "variance" and zo.comm_rounds == 0  # one rank sends nothing
 
 
@@ -45,7 +32,7 @@ def test_variance_refresh_interval_doubles() -> None:
     opt = ZeroOneAdam(model.parameters(), var_freeze_step=1000, var_update_scaler=3)
     seen = []
     for t in range(1, 22):
-        _train(model, opt, range(t, t + 1))
+        fit(model, opt, 0, range(t, t + 1), batch=sum_batch)
         seen.append(opt.var_interval)
     # 3 refreshes at interval 1 (steps 1-3), 3 at interval 2 (4, 6, 8), 3 at 4 (12, 16, 20).
     assert seen[:3] == [1, 1, 2] and seen[7] == 4 and seen[19] == 8
@@ -59,7 +46,7 @@ def test_v_changes_only_on_refresh_steps() -> None:
     changed = []
     for t in range(1, 9):
         before = opt.state[p]["exp_avg_sq"].clone() if opt.state.get(p) else torch.zeros_like(p)
-        _train(model, opt, range(t, t + 1))
+        fit(model, opt, 0, range(t, t + 1), batch=sum_batch)
         changed.append(not torch.equal(before, opt.state[p]["exp_avg_sq"]))
     # Interval doubles after every refresh: refreshes at steps 1, 2, 4, 8.
     assert changed == [True, True, False, True, False, False, False, True]
@@ -71,14 +58,14 @@ def test_local_interval_doubles_up_to_the_clipper_and_resume_is_exact() -> None:
     opt = ZeroOneAdam(model.parameters(), **kw)
     intervals = []
     for t in range(30):
-        _train(model, opt, range(t, t + 1))
+        fit(model, opt, 0, range(t, t + 1), batch=sum_batch)
         intervals.append(opt.local_step_interval)
     assert opt.frozen_at == 5 and opt.comm_stage == "local"
     assert intervals[4] == 1 and intervals[7] == 2 and intervals[10] == 4 and max(intervals) == 4
 
     half = _model()
     half_opt = ZeroOneAdam(half.parameters(), **kw)
-    _train(half, half_opt, range(17))
+    fit(half, half_opt, 0, range(17), batch=sum_batch)
     buf = io.BytesIO()
     torch.save({"m": half.state_dict(), "o": half_opt.state_dict()}, buf)
     buf.seek(0)
@@ -87,8 +74,8 @@ def test_local_interval_doubles_up_to_the_clipper_and_resume_is_exact() -> None:
     resumed.load_state_dict(saved["m"])
     ropt = ZeroOneAdam(resumed.parameters(), **kw)
     ropt.load_state_dict(saved["o"])
-    _train(resumed, ropt, range(17, 30))
-    assert torch.equal(_flat(resumed), _flat(model))
+    fit(resumed, ropt, 0, range(17, 30), batch=sum_batch)
+    assert torch.equal(flat_params(resumed), flat_params(model))
 
 
 @pytest.mark.parametrize(
@@ -114,7 +101,7 @@ def test_state_dict_of_another_optimizer_is_refused() -> None:
 
     model = _model()
     ob = OnebitAdam(model.parameters(), freeze_step=2)
-    _train(model, ob, range(3))
+    fit(model, ob, 0, range(3), batch=sum_batch)
     with pytest.raises(ValueError, match="OnebitAdam state_dict cannot be loaded into ZeroOneAdam"):
         ZeroOneAdam(model.parameters()).load_state_dict(ob.state_dict())
 
