@@ -9,6 +9,7 @@ import torch
 
 from moebit.optim import (
     OnebitAdam,
+    OptimizerSettings,
     build_optimizer,
     optimizer_from_deepspeed_config,
     optimizer_names,
@@ -40,9 +41,19 @@ def test_unknown_name_lists_the_valid_ones() -> None:
 
 
 def test_registry_is_one_entry_to_extend() -> None:
-    register_optimizer("test_sgd", lambda groups, *, lr, **_: torch.optim.SGD(groups, lr=lr))
+    seen = {}
+
+    def sgd(groups, settings: OptimizerSettings, **extra):
+        seen.update(settings=settings, extra=extra)
+        return torch.optim.SGD(groups, lr=settings.lr, weight_decay=settings.weight_decay,
+                               **extra)
+
+    register_optimizer("test_sgd", sgd)
     try:
-        assert isinstance(build_optimizer("test_sgd", _params(), lr=0.1), torch.optim.SGD)
+        opt = build_optimizer("test_sgd", _params(), lr=0.1, weight_decay=0.01, momentum=0.5)
+        assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.5
+        assert seen["settings"] == OptimizerSettings(lr=0.1, weight_decay=0.01)
+        assert seen["extra"] == {"momentum": 0.5}
         assert "test_sgd" in optimizer_names()
     finally:
         from moebit.optim import build

@@ -10,6 +10,7 @@ averages its gradients.
 
 from moebit.optim.base import CompressedOptimizer
 from moebit.optim.build import (
+    OptimizerSettings,
     build_optimizer,
     optimizer_from_deepspeed_config,
     optimizer_names,
@@ -27,6 +28,7 @@ __all__ = [
     "Lamb",
     "OnebitAdam",
     "OnebitLamb",
+    "OptimizerSettings",
     "ZeroOneAdam",
     "build_optimizer",
     "optimizer_from_deepspeed_config",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,94 +27,66 @@ ParamGroups = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 Factory = Callable[..., Optimizer]
 
 
-def _adam(
-    param_groups: ParamGroups,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    freeze_step: int | str | None,
-    process_group: dist.ProcessGroup | None,
-    decoupled: bool = True,
-) -> Optimizer:
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What every optimizer is built with; optimizer-specific keys travel as ``**extra``."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    freeze_step: int | str | None = None  # None: the optimizer's own default
+    process_group: dist.ProcessGroup | None = None
+
+    def adam_kwargs(self) -> dict[str, Any]:
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+
+def _adam(param_groups: ParamGroups, s: OptimizerSettings, decoupled: bool = True) -> Optimizer:
     """torch's AdamW when there is weight decay (decoupled, as OnebitAdam), else Adam.
 
     Extra group keys such as ``process_group`` are kept in the groups and ignored by
     torch: the training loop averages the gradients of each group before ``step``.
     """
-    if freeze_step is not None:
-        logger.warning("freeze_step=%r ignored: plain Adam has no compression stage", freeze_step)
-    cls = torch.optim.AdamW if weight_decay and decoupled else torch.optim.Adam
-    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if s.freeze_step is not None:
+        logger.warning("freeze_step=%r ignored: plain Adam has no compression stage", s.freeze_step)
+    cls = torch.optim.AdamW if s.weight_decay and decoupled else torch.optim.Adam
+    return cls(param_groups, **s.adam_kwargs())
 
 
 def _compressed(cls: type[Optimizer]) -> Factory:
     """The factory of a compressed optimizer whose ``freeze_step`` keeps its own meaning."""
 
-    def factory(
-        param_groups: ParamGroups,
-        *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        freeze_step: int | str | None,
-        process_group: dist.ProcessGroup | None,
-        **extra: Any,
-    ) -> Optimizer:
-        kwargs: dict[str, Any] = dict(extra)
-        if freeze_step is not None:
-            kwargs["freeze_step"] = freeze_step
-        return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                   process_group=process_group, **kwargs)
+    def factory(param_groups: ParamGroups, s: OptimizerSettings, **extra: Any) -> Optimizer:
+        if s.freeze_step is not None:
+            extra["freeze_step"] = s.freeze_step
+        return cls(param_groups, process_group=s.process_group, **s.adam_kwargs(), **extra)
 
     factory.__name__ = f"_{cls.__name__}"
     return factory
 
 
-def _zero_one_adam(
-    param_groups: ParamGroups,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    freeze_step: int | str | None,
-    process_group: dist.ProcessGroup | None,
-    **extra: Any,
-) -> Optimizer:
+def _zero_one_adam(param_groups: ParamGroups, s: OptimizerSettings, **extra: Any) -> Optimizer:
     """``freeze_step`` (the training loop's, 20% of the run by default) is 0/1 Adam's
     ``var_freeze_step``; giving both is an error."""
-    kwargs: dict[str, Any] = dict(extra)
-    if freeze_step is not None:
-        if "var_freeze_step" in kwargs:
+    if s.freeze_step is not None:
+        if "var_freeze_step" in extra:
             raise ValueError("give freeze_step or var_freeze_step for zero_one_adam, not both")
-        kwargs["var_freeze_step"] = freeze_step
-    if kwargs.get("var_freeze_step") == "auto":
+        extra["var_freeze_step"] = s.freeze_step
+    if extra.get("var_freeze_step") == "auto":
         raise ValueError(
             "zero_one_adam: freeze_step='auto' is not supported (only onebit_adam has the auto "
             "rule); give a step count (var_freeze_step)"
         )
-    return ZeroOneAdam(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                       process_group=process_group, **kwargs)
+    return ZeroOneAdam(param_groups, process_group=s.process_group, **s.adam_kwargs(), **extra)
 
 
-def _lamb(
-    param_groups: ParamGroups,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    freeze_step: int | str | None,
-    process_group: dist.ProcessGroup | None,
-    **extra: Any,
-) -> Optimizer:
+def _lamb(param_groups: ParamGroups, s: OptimizerSettings, **extra: Any) -> Optimizer:
     """Exact LAMB; like torch Adam, the training loop averages its gradients."""
-    if freeze_step is not None:
-        logger.warning("freeze_step=%r ignored: exact LAMB has no compression stage", freeze_step)
-    return Lamb(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra)
+    if s.freeze_step is not None:
+        logger.warning("freeze_step=%r ignored: exact LAMB has no compression stage", s.freeze_step)
+    return Lamb(param_groups, **s.adam_kwargs(), **extra)
 
 
 # Insertion order is the order names are listed in (the exact optimizers' compressed
@@ -128,8 +101,8 @@ _REGISTRY: dict[str, Factory] = {
 
 
 def register_optimizer(name: str, factory: Factory) -> None:
-    """Add ``name`` -> ``factory(param_groups, *, lr, betas, eps, weight_decay,
-    freeze_step, process_group, **extra)``."""
+    """Add ``name`` -> ``factory(param_groups, settings: OptimizerSettings, **extra)``;
+    ``extra`` holds the keyword arguments of ``build_optimizer`` beyond the settings."""
     _REGISTRY[name] = factory
 
 
@@ -159,16 +132,9 @@ def build_optimizer(
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(optimizer_names())}")
-    return factory(
-        param_groups,
-        lr=lr,
-        betas=tuple(betas),
-        eps=eps,
-        weight_decay=weight_decay,
-        freeze_step=freeze_step,
-        process_group=process_group,
-        **extra,
-    )
+    settings = OptimizerSettings(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                 freeze_step=freeze_step, process_group=process_group)
+    return factory(param_groups, settings, **extra)
 
 
 # DeepSpeed "type" (lower-cased, as DeepSpeed compares it) -> (registry name, params
