@@ -6,6 +6,7 @@
     moebit report runs/a runs/b                         # curves on shared axes + table
     moebit bench comm --link 1gbit                      # benchmarks (see docs/benchmarks.md)
     moebit generate runs/a --prompt "def "              # text from a trained run
+    moebit eval runs/a runs/b                           # val loss on the whole split
     moebit distill --teacher runs/a --student-layers 3  # Mixture-of-Students
     moebit demo                                         # the guided tour
 
@@ -233,6 +234,12 @@ def cmd_generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def cmd_eval(argv: list[str]) -> int:
+    from moebit.eval_cli import main as eval_main
+
+    return eval_main(argv)
+
+
 def cmd_distill(argv: list[str]) -> int:
     from moebit.distill_cli import main as distill_main
 
@@ -240,7 +247,7 @@ def cmd_distill(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "report": cmd_report, "bench": cmd_bench, "demo": cmd_demo,
-            "generate": cmd_generate, "distill": cmd_distill}
+            "generate": cmd_generate, "eval": cmd_eval, "distill": cmd_distill}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""``moebit eval``: validation loss of trained runs on the whole validation split.
+
+    moebit eval runs/moe runs/prmoe                  # every byte of the split, once
+    moebit eval runs/a --batches 64 --json val.json  # the first 64 batches of it
+    moebit eval runs/a --as-trained                  # the windows training evaluated on
+
+Training evaluates on a few random windows chosen by the run's seed, so two runs with
+different seeds are scored on different text. This command scores every run on the same
+text: consecutive windows covering the split (each byte is a target exactly once), in
+one process, with expert-parallel checkpoints regathered onto it. ``--as-trained`` uses
+the run's own windows instead and reproduces its last logged validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moebit.checkpoint import CheckpointError, read_manifest
+
+USAGE_ERRORS = (CheckpointError, ValueError, OSError)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moebit eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="RUN_OR_CHECKPOINT",
+                    help="run folders (their newest checkpoint) or RUN/checkpoints/step-N")
+    ap.add_argument("--batches", type=int, default=0,
+                    help="evaluate the first N batches of the split (default 0: all of it)")
+    ap.add_argument("--batch-size", type=int, default=0,
+                    help="windows per batch (default: the run's batch size, as in training; "
+                         "an MoE layer's capacity depends on it)")
+    ap.add_argument("--as-trained", action="store_true",
+                    help="the run's own validation windows (seed, eval_batches) instead")
+    ap.add_argument("--dtype", choices=("run", "fp32", "bf16"), default="run",
+                    help="autocast as the run trained (default), or force one")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    return ap
+
+
+def split_windows(data: Any, block_size: int, batch_size: int,
+                  max_batches: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive, non-overlapping windows over ``data``: every byte but the first is a
+    target once. The last batch may hold fewer windows."""
+    t = torch.from_numpy(data)
+    n = (len(t) - 1) // block_size
+    if n < 1:
+        raise ValueError(f"the validation split ({len(t)} bytes) is shorter than one window "
+                         f"of block_size {block_size} + 1")
+    x = t[: n * block_size].view(n, block_size).long()
+    y = t[1 : n * block_size + 1].view(n, block_size).long()
+    batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n, batch_size)]
+    return batches[:max_batches] if max_batches else batches
+
+
+@torch.no_grad()
+def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: bool = False,
+                 dtype: str = "run") -> dict[str, Any]:
+    """Load one run's checkpoint and score it; returns the numbers of one table row."""
+    from tqdm import tqdm
+
+    from moebit.data import load_corpus, val_batches
+    from moebit.inference import load_model, resolve_checkpoint
+    from moebit.train import autocast
+
+    ckpt = resolve_checkpoint(path)
+    manifest = read_manifest(ckpt)
+    run_cfg = manifest.get("config")
+    if not isinstance(run_cfg, dict):
+        raise CheckpointError(f"{ckpt} holds no training config: cannot tell its corpus")
+    model = load_model(ckpt)
+    block = model.config.block_size
+    bsz = batch_size or int(run_cfg["batch_size"])
+    corpus = load_corpus(run_cfg.get("data"))
+    if as_trained:
+        wins = val_batches(corpus.val, block, int(run_cfg["batch_size"]),
+                           batches or int(run_cfg["eval_batches"]), int(run_cfg["seed"]))
+    else:
+        wins = split_windows(corpus.val, block, bsz, batches)
+    use = run_cfg.get("dtype", "fp32") if dtype == "run" else dtype
+    device = torch.device("cpu")
+    total, n_windows, mean_of_means = 0.0, 0, 0.0
+    for x, y in tqdm(wins, desc=Path(path).name, unit="batch", file=sys.stderr,
+                     mininterval=1.0, leave=False):
+        with autocast(use, device):
+            loss = float(model(x, y).loss)
+        total += loss * len(x)
+        n_windows += len(x)
+        mean_of_means += loss
+    n_params = sum(p.numel() for p in model.parameters())
+    # --as-trained averages batch means, as training's evaluate() does.
+    val = mean_of_means / len(wins) if as_trained else total / n_windows
+    return {"run": str(path), "checkpoint": str(ckpt), "step": manifest.get("step"),
+            "n_params": n_params, "val_loss": val, "bits_per_byte": val / math.log(2),
+            "windows": n_windows, "target_bytes": n_windows * block, "dtype": use,
+            "as_trained": as_trained}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.batches < 0 or args.batch_size < 0 or args.threads < 0:
+        print("moebit eval: --batches, --batch-size and --threads must be >= 0", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    try:
+        for run in args.runs:
+            rows.append(evaluate_run(run, args.batches, args.batch_size, args.as_trained,
+                                     args.dtype))
+    except USAGE_ERRORS as e:
+        print(f"moebit eval: {e}", file=sys.stderr)
+        return 2
+    width = max(len(r["run"]) for r in rows)
+    print(f"{'run':<{width}}  {'step':>6}  {'params':>9}  {'val loss':>9}  {'bits/byte':>9}  "
+          f"{'vs first':>8}  windows")
+    for r in rows:
+        rel = r["val_loss"] / rows[0]["val_loss"] - 1
+        print(f"{r['run']:<{width}}  {r['step']:>6}  {r['n_params']:>9,}  {r['val_loss']:9.4f}  "
+              f"{r['bits_per_byte']:9.4f}  {rel:+8.2%}  {r['windows']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
