@@ -6,17 +6,20 @@ optimizer state, checkpoint resharding and expert-parallel slicing simple.
 
 Two kernels, each one hand-written autograd node. ``_ExpertMLP`` loops over the experts'
 contiguous blocks, one matmul per expert on exactly its rows. ``_ExpertMLPPadded`` pads
-every block to the largest and runs batched matmuls, which the matmul library splits across
-threads by expert; that beats the loop when the blocks are nearly equal, as they are under
-a capacity limit. Measured on an idle 2-core machine (2 threads, d 512, f 2048, 4096 tokens,
-top-2 over 64 experts, capacity factor 1): forward+backward 821 ms padded against 859 ms for
-the loop in float32, 398 against 419 ms in bfloat16. (An earlier measurement, on a machine
-loaded by other jobs, favoured the loop: 962 against 1100 ms.) Padding costs FLOPs on zero rows and
-memory (about 90 MB more at peak there). With larger blocks (E=32, k=2: 256 rows) the
-loop wins (673 against 742 ms): one matmul per block already keeps both threads busy.
-With skewed or dropless routing, for example every
-token sent to one expert, it would pad E x S rows, so ``Experts`` takes the padded path only
-when it adds at most ``pad_limit`` (25%) of extra rows.
+every block to the largest and runs the forward and input-gradient products as batched
+matmuls, which the matmul library splits across threads by expert; that beats the loop
+when the blocks are small and nearly equal, as they are under a capacity limit. Its weight
+gradients still go expert by expert on the real rows: a bmm whose first operand is the
+transposed [cap, f] activation runs at about 60% of the rate of per-expert mm calls
+(E=64 experts of 128 rows, d 512, f 2048, 2 threads: 206 against 130 ms in float32, 78
+against 47 ms in bfloat16). Measured on the whole layer (docs/benchmarks.md, 4096 tokens,
+top-2 over 64 experts, capacity factor 1, 2 threads, medians of 5): forward+backward 954 ms
+padded against 1036 ms for the loop in float32, 470 against 516 ms in bfloat16. Padding
+costs FLOPs on zero rows and memory (about 80 MB more at peak there). With larger blocks
+(E=8, 512-1024 rows) one matmul per block already keeps both threads busy, and with
+skewed or dropless routing, for example every token sent to one expert, padding would
+cost E x S rows, so ``Experts`` takes the padded path only when the blocks are small
+and padding adds at most ``pad_limit`` (25%) of extra rows.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ class _ExpertMLPPadded(torch.autograd.Function):
         h_ECF = F.gelu(hpre_ECF)
         y_ECD = torch.baddbmm(b2.unsqueeze(1), h_ECF, w2)
         ctx.save_for_backward(x_ECD, w1, w2, hpre_ECF, h_ECF, slot_N)
-        ctx.grad_scale, ctx.n_rows = grad_scale, x_ND.shape[0]
+        ctx.grad_scale, ctx.counts = grad_scale, counts
         y_ND = y_ECD.view(-1, d)
         return y_ND if full else y_ND.index_select(0, slot_N)
 
@@ -132,11 +135,20 @@ class _ExpertMLPPadded(torch.autograd.Function):
             g_ECD = g_ND.view(n_exp, cap, d)
         else:
             g_ECD = g_ND.new_zeros(n_exp * cap, d).index_copy_(0, slot_N, g_ND).view(n_exp, cap, d)
-        gw2 = torch.bmm(h_ECF.transpose(1, 2), g_ECD)
         gb2 = g_ECD.sum(1)
         gh_ECF = torch.ops.aten.gelu_backward(torch.bmm(g_ECD, w2.transpose(1, 2)), hpre_ECF)
-        gw1 = torch.bmm(x_ECD.transpose(1, 2), gh_ECF)
         gb1 = gh_ECF.sum(1)
+        # Weight gradients one expert at a time, on its real rows only: a bmm with the
+        # transposed [cap, f] operand runs at about 60% of the rate of these mm calls
+        # (docs/benchmarks.md), in float32 and bfloat16 alike.
+        gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
+        for e, n in enumerate(ctx.counts):
+            if n:
+                torch.mm(h_ECF[e, :n].t(), g_ECD[e, :n], out=gw2[e])
+                torch.mm(x_ECD[e, :n].t(), gh_ECF[e, :n], out=gw1[e])
+            else:
+                gw1[e].zero_()
+                gw2[e].zero_()
         gx_ND = None
         if ctx.needs_input_grad[0]:
             gx_ND = torch.bmm(gh_ECF, w1.transpose(1, 2)).view(-1, d)
