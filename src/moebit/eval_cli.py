@@ -3,6 +3,7 @@
     moebit eval runs/moe runs/prmoe                  # every byte of the split, once
     moebit eval runs/a --batches 64 --json val.json  # the first 64 batches of it
     moebit eval runs/a --as-trained                  # the windows training evaluated on
+    moebit eval runs/moe-s1 runs/moe-s2 runs/pr-s1 runs/pr-s2 --plot seeds.png
 
 Training evaluates on a few random windows chosen by the run's seed, so two runs with
 different seeds are scored on different text. This command scores every run on the same
@@ -43,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                     help="autocast as the run trained (default), or force one")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--plot", metavar="PNG",
+                    help="also draw each run's validation loss (one dot per run, grouped by the "
+                         "run folder's name without a trailing -sSEED) to this image")
     return ap
 
 
@@ -104,6 +108,39 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
             "as_trained": as_trained}
 
 
+def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
+    """One row per model, one dot per seed, the mean as a bar: seed noise next to the gaps.
+
+    Runs are grouped by their folder name with a trailing ``-s<seed>`` removed, so
+    ``moe8-s7`` and ``moe8-s1337`` are two seeds of ``moe8``.
+    """
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        name = re.sub(r"-s\d+$", "", Path(r["run"].rstrip("/")).name)
+        groups.setdefault(name, []).append(r["val_loss"])
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(groups) + 1.2))
+    for i, vals in enumerate(groups.values()):
+        mean = sum(vals) / len(vals)
+        ax.plot(vals, [i] * len(vals), "o", color="C0", alpha=0.6)
+        ax.plot([mean, mean], [i - 0.3, i + 0.3], color="C3", lw=2)
+        ax.annotate(f"mean {mean:.4f}", (mean, i - 0.3), xytext=(3, 0), textcoords="offset points",
+                    ha="left", va="top", fontsize=8, color="C3")
+    ax.set_yticks(range(len(groups)), list(groups))
+    ax.invert_yaxis()
+    ax.set_xlabel("validation loss, nats/byte (dots: runs; bar: their mean)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.batches < 0 or args.batch_size < 0 or args.threads < 0:
@@ -128,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['bits_per_byte']:9.4f}  {rel:+8.2%}  {r['windows']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot_rows(rows, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -46,8 +46,10 @@ def test_eval_of_an_ep2_run(small_corpus: Path, tmp_path: Path, capsys) -> None:
     assert row["val_loss"] == pytest.approx(s0["val_loss"], abs=1e-4)
     assert row["step"] == 8 and row["windows"] == 3 * 4
 
-    out = tmp_path / "full.json"
-    assert main([str(run), str(run / "checkpoints" / "step-00000008"), "--json", str(out)]) == 0
+    out, png = tmp_path / "full.json", tmp_path / "seeds.png"
+    assert main([str(run), str(run / "checkpoints" / "step-00000008"), "--json", str(out),
+                 "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000
     full, same = json.loads(out.read_text())
     from moebit.data import load_corpus
 
