@@ -65,7 +65,6 @@ def split_windows(data: Any, block_size: int, batch_size: int,
     return batches[:max_batches] if max_batches else batches
 
 
-@torch.no_grad()
 def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: bool = False,
                  dtype: str = "run") -> dict[str, Any]:
     """Load one run's checkpoint and score it; returns the numbers of one table row."""
@@ -73,7 +72,7 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
 
     from moebit.data import load_corpus, val_batches
     from moebit.inference import load_model, resolve_checkpoint
-    from moebit.train import autocast
+    from moebit.train import evaluate
 
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
@@ -90,18 +89,11 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     else:
         wins = split_windows(corpus.val, block, bsz, batches)
     use = run_cfg.get("dtype", "fp32") if dtype == "run" else dtype
-    device = torch.device("cpu")
-    total, n_windows, mean_of_means = 0.0, 0, 0.0
-    for x, y in tqdm(wins, desc=Path(path).name, unit="batch", file=sys.stderr,
-                     mininterval=1.0, leave=False):
-        with autocast(use, device):
-            loss = float(model(x, y).loss)
-        total += loss * len(x)
-        n_windows += len(x)
-        mean_of_means += loss
+    bar = tqdm(wins, desc=Path(path).name, unit="batch", file=sys.stderr, mininterval=1.0,
+               leave=False)
+    val = evaluate(model, bar, use, torch.device("cpu"))
+    n_windows = sum(len(x) for x, _ in wins)
     n_params = sum(p.numel() for p in model.parameters())
-    # --as-trained averages batch means, as training's evaluate() does.
-    val = mean_of_means / len(wins) if as_trained else total / n_windows
     return {"run": str(path), "checkpoint": str(ckpt), "step": manifest.get("step"),
             "n_params": n_params, "val_loss": val, "bits_per_byte": val / math.log(2),
             "windows": n_windows, "target_bytes": n_windows * block, "dtype": use,

@@ -108,14 +108,14 @@ def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     all_recs = [read_metrics(run) for run in runs]
-    distilled = any(_step_offset(recs) for recs in all_recs)
+    offsets = [_step_offset(recs) for recs in all_recs]
+    distilled = any(offsets)
     fig, axes = plt.subplots(1, 3 if distilled else 2, figsize=(18 if distilled else 12, 4.5))
     ax_step, ax_wall = axes[0], axes[1]
     ax_kd = axes[2] if distilled else None
-    lo = min((_step_offset(r) for r in all_recs if _step_offset(r)), default=0)
-    for run, recs in zip(runs, all_recs, strict=True):
+    lo = min((off for off in offsets if off), default=0)
+    for run, recs, off in zip(runs, all_recs, offsets, strict=True):
         lab = label_of(run)
-        off = _step_offset(recs)
         tr = [r for r in recs if r.get("kind") == "train"]
         ev = [r for r in recs if r.get("kind") == "eval"]
         line = ax_step.plot([off + r["step"] for r in tr], [r["loss"] for r in tr], alpha=0.35)[0]
@@ -140,7 +140,7 @@ def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
                               label=f"{lab}: final val")
             if start.get("teacher_val_loss") is not None and off:
                 ax_kd.plot([off], [start["teacher_val_loss"]], "k*", ms=8)
-    start = next((r for r in read_metrics(runs[0]) if r.get("kind") == "start"), {})
+    start = next((r for r in all_recs[0] if r.get("kind") == "start"), {})
     for ax, xl in ((ax_step, "step"), (ax_wall, "wall time (s)")):
         if start.get("unigram_entropy"):
             ax.axhline(start["unigram_entropy"], color="grey", ls="--", lw=1,

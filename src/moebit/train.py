@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -130,16 +131,18 @@ def clip_gradients(model: GPT, max_norm: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: str,
+def evaluate(model: GPT, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: str,
              device: torch.device) -> float:
-    """Mean validation loss in nats per byte (every rank computes the same number)."""
+    """Mean validation loss in nats per byte over all windows (every rank computes the same
+    number); batches may differ in size, e.g. the last one of ``moebit eval``'s split."""
     model.eval()
-    total = 0.0
+    total, windows = 0.0, 0
     for x, y in batches:
         with autocast(dtype, device):
-            total += float(model(x.to(device), y.to(device)).loss)
+            total += float(model(x.to(device), y.to(device)).loss) * len(x)
+        windows += len(x)
     model.train()
-    return total / len(batches)
+    return total / windows
 
 
 def autocast(dtype: str, device: torch.device) -> torch.autocast:
