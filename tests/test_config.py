@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from moebit.cli import UsageError, parse_train_args, torchrun_args
+from moebit.cli.args import UsageError
+from moebit.cli.launch import check_rendezvous_port, prepare_run_dir, torchrun_args
+from moebit.cli.train import launch_training, parse_train_args
 from moebit.config import ConfigError, build, load_file
 
 
@@ -67,20 +69,19 @@ def test_freeze_step_defaults_to_a_fifth_of_the_run():
 
 
 def test_torchrun_args_single_and_multi_node(tmp_path: Path):
-    single = torchrun_args({"nproc": 2}, tmp_path / "c.json")
+    single = torchrun_args({"nproc": 2}, "moebit.train", ["--resolved-config", str(tmp_path / "c.json")])
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "2"
     multi = torchrun_args(
         {"nproc": 1, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "127.0.0.1:1234"},
-        tmp_path / "c.json",
+        "moebit.train", ["--resolved-config", str(tmp_path / "c.json")],
     )
     assert "--standalone" not in multi
     assert multi[multi.index("--rdzv-endpoint") + 1] == "127.0.0.1:1234"
     with pytest.raises(UsageError, match="rdzv-endpoint"):
-        torchrun_args({"nnodes": 2}, tmp_path / "c.json")
+        torchrun_args({"nnodes": 2}, "moebit.train", ["--resolved-config", str(tmp_path / "c.json")])
 
 
 def test_launch_refuses_bad_data_before_writing_anything(tmp_path: Path):
-    from moebit.cli import launch_training
     from moebit.data import CorpusError
 
     binary = tmp_path / "x.bin"
@@ -96,7 +97,6 @@ def test_launch_refuses_bad_data_before_writing_anything(tmp_path: Path):
 def test_unwritable_run_dir_and_port_in_use(tmp_path: Path):
     import socket
 
-    from moebit.cli import check_rendezvous_port, prepare_run_dir
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -113,7 +113,6 @@ def test_unwritable_run_dir_and_port_in_use(tmp_path: Path):
 
 
 def test_existing_run_is_not_overwritten(tmp_path: Path):
-    from moebit.cli import prepare_run_dir
 
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     cfg, _ = parse_train_args(["--run-dir", str(tmp_path)])

@@ -16,7 +16,7 @@ with the student's ``ep_size`` so its experts are sharded over the ranks exactly
 training; after the switch it is no longer run at all.
 
 Each rank runs ``python -m moebit.distill --resolved-config RUN/config.json``, launched
-by ``moebit distill`` (``moebit.distill_cli``); ``RUN/distill.json`` holds the settings
+by ``moebit distill`` (``moebit.cli.distill``); ``RUN/distill.json`` holds the settings
 below. The run folder is an ordinary moebit run (same metrics records as ``moebit train``,
 plus ``kd_loss`` on train records and a ``kd_stop`` record), so ``moebit report`` and
 ``moebit generate`` work on it.
@@ -301,7 +301,7 @@ def student_train_config(teacher: TrainConfig, dcfg: DistillConfig,
 
 
 def run(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path) -> dict[str, Any]:
-    from moebit.distributed import init_from_env
+    from moebit.comm.collectives import init_from_env
 
     info = init_from_env(cfg.device)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -317,7 +317,7 @@ def build_teacher(dcfg: DistillConfig, ep_size: int, rank: int) -> tuple[GPT, Tr
     """The teacher, sharded for ``ep_size`` (its checkpoint may have another), frozen; with
     its config and the step of the checkpoint loaded."""
     from moebit.checkpoint import read_manifest
-    from moebit.train_checkpoint import load_model_weights
+    from moebit.checkpoint.train_state import load_model_weights
 
     t_cfg, ckpt = load_teacher_config(dcfg.teacher)
     if t_cfg.num_experts:
@@ -333,7 +333,7 @@ def build_teacher(dcfg: DistillConfig, ep_size: int, rank: int) -> tuple[GPT, Tr
 def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> dict[str, Any]:
     """Train the student on this rank (data parallel + expert parallel, as ``moebit.train``)."""
     from moebit import train as tr
-    from moebit import train_checkpoint as ckpt_io
+    from moebit.checkpoint import train_state as ckpt_io
     from moebit.comm import stats
     from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
 

@@ -91,7 +91,7 @@ def load_model(
     ``rank % ep_size``. Raises ``CheckpointError`` naming the problem for a missing,
     incomplete, corrupted or foreign checkpoint.
     """
-    from moebit.train_checkpoint import load_model_weights
+    from moebit.checkpoint.train_state import load_model_weights
 
     d = resolve_checkpoint(path)
     manifest = read_manifest(d)
@@ -167,7 +167,8 @@ def ffn_infer(ffn: torch.nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
     if isinstance(ffn, ResidualMoE):
         c_S2 = torch.softmax(ffn.coef(x_SD), dim=-1)
         return moe_infer(ffn.moe, x_SD) * c_S2[:, 0:1] + ffn.mlp(x_SD) * c_S2[:, 1:2]
-    return ffn(x_SD).hidden
+    out = ffn(x_SD)
+    return out if isinstance(out, torch.Tensor) else out.hidden
 
 
 @dataclass

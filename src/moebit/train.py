@@ -23,12 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit import train_checkpoint as ckpt_io
+from moebit.checkpoint import train_state as ckpt_io
 from moebit.comm import stats
+from moebit.comm.collectives import DistInfo, allreduce_mean_, broadcast_params_, init_from_env
 from moebit.config import TrainConfig, build
 from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
-from moebit.distributed import DistInfo, allreduce_mean_, broadcast_params_, init_from_env
 from moebit.models.gpt import GPT
+from moebit.moe import is_expert_param, split_params_for_ep
 
 SAMPLE_PROMPTS = ["def ", "import ", "class ", "    return "]
 
@@ -47,8 +48,6 @@ def param_groups(model: GPT, cfg: TrainConfig) -> list[dict[str, Any]]:
     """One group for data-parallel parameters; with expert parallelism the experts get
     their own group, averaged over the expert-data-parallel group only."""
     if model.ep_groups is not None:
-        from moebit.moe import split_params_for_ep
-
         return split_params_for_ep(model)
     return [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
@@ -111,7 +110,7 @@ def clip_gradients(model: GPT, max_norm: float) -> float:
     dense, expert = [], []
     for p in model.parameters():
         if p.grad is not None:
-            (expert if getattr(p, "moebit_expert", False) else dense).append(p.grad)
+            (expert if is_expert_param(p) else dense).append(p.grad)
     sq = torch.zeros((), dtype=torch.float32)
     for g in dense:
         sq += g.float().pow(2).sum()
@@ -228,7 +227,8 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     if ep is None:
         broadcast_params_(model)
     else:
-        broadcast_params_(model, expert_dp_group=ep.expert_dp_group, expert_src=ep.expert_dp_ranks[0])
+        broadcast_params_(model, expert_dp_group=ep.expert_dp_group, expert_src=ep.expert_dp_ranks[0],
+                          is_expert=is_expert_param)
     groups = param_groups(model, cfg)
     opt = make_optimizer(cfg, groups)
     batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)

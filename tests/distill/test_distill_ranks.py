@@ -21,8 +21,8 @@ def teacher_cfg(corpus: Path) -> dict:
 def _teacher_then_students(rank: int, world: int, t_dict: dict, t_run: str, jobs: list):
     """Train the teacher, then several distillations from it, in one spawn (one import of
     torch per rank); each job is (student config dict, distill dict, run folder)."""
+    from moebit.comm.collectives import init_from_env
     from moebit.distill import distill
-    from moebit.distributed import init_from_env
     from moebit.train import _train
 
     _train(build(t_dict), Path(t_run), init_from_env("cpu"))
@@ -113,8 +113,8 @@ def test_catch_up_rule_stops_kd_when_the_student_reaches_the_teacher(distilled):
 
 def test_cli_launches_ranks_and_refuses_bad_students(distilled, tmp_path: Path):
     teacher_run = distilled[0]
-    from moebit.cli import UsageError
-    from moebit.distill_cli import main, parse_args
+    from moebit.cli.args import UsageError
+    from moebit.cli.distill import main, parse_args
     from moebit.report import report
 
     base = ["--teacher", str(teacher_run), "--student-layers", "2"]
@@ -141,10 +141,11 @@ def _distill_with_nan_on_rank1(rank: int, world: int, cfg_dict: dict, d_dict: di
                                run_dir: str) -> str:
     """Rank 1 alone gets a NaN loss at step 3, after 1-bit Adam's freeze: no exact gradient
     average, and no expert parallelism, so nothing carries the NaN to rank 0's gradients."""
+    from moebit.comm.collectives import init_from_env
     from moebit.distill import distill
-    from moebit.distributed import init_from_env
-    from moebit.testing_toys import poison_gpt_loss
     from moebit.train import NonFiniteLoss
+
+    from toys import poison_gpt_loss
 
     poison_gpt_loss(rank, on_rank=1, at_call=3)
     try:

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from moebit.cli.eval import main, split_windows
 from moebit.config import build
-from moebit.eval_cli import main, split_windows
 from moebit.testing import run_on_ranks
 
 
 def _train_run(rank: int, world: int, cfg_dict: dict, run_dir: str):
-    from moebit.distributed import init_from_env
+    from moebit.comm.collectives import init_from_env
     from moebit.train import _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))

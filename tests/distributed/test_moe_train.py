@@ -18,7 +18,7 @@ def moe_cfg(corpus: Path, **kw) -> dict:
 
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
-    from moebit.distributed import init_from_env
+    from moebit.comm.collectives import init_from_env
     from moebit.train import _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
@@ -28,9 +28,9 @@ def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):
     """Load the newest checkpoint of ``src`` on this world/ep size, return logits on a
     fixed batch (and save the resharded model to ``dst``)."""
     from moebit.checkpoint import latest, read_manifest
-    from moebit.distributed import init_from_env
+    from moebit.checkpoint.train_state import load_model_weights
+    from moebit.comm.collectives import init_from_env
     from moebit.models.gpt import GPT
-    from moebit.train_checkpoint import load_model_weights
 
     cfg = build(cfg_dict)
     model = GPT(cfg.model_config())
@@ -41,9 +41,9 @@ def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):
     with torch.no_grad():
         logits = model(x).logits
     if dst is not None:
+        from moebit.checkpoint.train_state import save
         from moebit.data import TrainBatches, load_corpus
         from moebit.train import make_optimizer, param_groups
-        from moebit.train_checkpoint import save
 
         info = init_from_env("cpu")
         opt = make_optimizer(cfg, param_groups(model, cfg))

@@ -13,7 +13,7 @@ from moebit.testing import RankFailed, run_on_ranks
 
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
-    from moebit.distributed import init_from_env
+    from moebit.comm.collectives import init_from_env
     from moebit.train import _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
@@ -84,11 +84,11 @@ def test_folder_without_manifest_is_ignored(saved_run: Path, tmp_path: Path):
 
 def _restore_in_process(run: Path, cfg: dict, rank: int, world: int):
     """Restore into fresh objects as rank ``rank`` would (same-size resume: no collectives)."""
+    from moebit.checkpoint.train_state import restore
+    from moebit.comm.collectives import DistInfo
     from moebit.data import TrainBatches, load_corpus
-    from moebit.distributed import DistInfo
     from moebit.models.gpt import GPT
     from moebit.train import make_optimizer, param_groups
-    from moebit.train_checkpoint import restore
 
     c = build(cfg)
     model = GPT(c.model_config())
@@ -127,11 +127,11 @@ def test_resume_into_another_model_is_an_error(saved_run: Path, small_corpus: Pa
 
 def test_reshard_dense_two_ranks_to_one(saved_run: Path, small_corpus: Path, tmp_path: Path):
     """2 ranks -> 1: the weights and Adam's moments carry over, and training continues."""
+    from moebit.checkpoint.train_state import restore
+    from moebit.comm.collectives import DistInfo
     from moebit.data import TrainBatches, load_corpus
-    from moebit.distributed import DistInfo
     from moebit.models.gpt import GPT
     from moebit.train import make_optimizer, param_groups
-    from moebit.train_checkpoint import restore
 
     c = build(cfg_for(small_corpus, resume=True))
     model = GPT(c.model_config())
@@ -171,9 +171,10 @@ def test_nan_loss_is_skipped_or_stops(small_corpus: Path, tmp_path: Path, policy
 
 def _run_with_nan(rank: int, world: int, cfg_dict: dict, run_dir: str, policy: str):
     """Rank 1 produces a NaN loss at step 3; every rank must take the same decision."""
-    from moebit.distributed import init_from_env
-    from moebit.testing_toys import poison_gpt_loss
+    from moebit.comm.collectives import init_from_env
     from moebit.train import _train
+
+    from toys import poison_gpt_loss
 
     poison_gpt_loss(rank, on_rank=1, at_call=3)
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))

@@ -16,7 +16,7 @@ from moebit.testing import free_port, run_on_ranks
 
 
 def _train_body(rank: int, world: int, cfg_dict: dict, run_dir: str):
-    from moebit.distributed import init_from_env
+    from moebit.comm.collectives import init_from_env
     from moebit.train import _train
 
     cfg = build(cfg_dict)
@@ -27,8 +27,8 @@ def _params_body(rank: int, world: int, cfg_dict: dict):
     """Train a few steps and return the flat parameters of this rank."""
     import torch.distributed as dist
 
+    from moebit.comm.collectives import broadcast_params_
     from moebit.data import TrainBatches, load_corpus
-    from moebit.distributed import broadcast_params_
     from moebit.models.gpt import GPT
     from moebit.train import average_gradients, clip_gradients, make_optimizer, param_groups
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from moebit.checkpoint import CheckpointError, latest
+from moebit.checkpoint.train_state import save
+from moebit.comm.collectives import DistInfo
 from moebit.config import build
 from moebit.data import TrainBatches
-from moebit.distributed import DistInfo
 from moebit.inference import generate, load_model, resolve_checkpoint
 from moebit.models.gpt import GPT
 from moebit.testing import run_on_ranks
-from moebit.train_checkpoint import save
 
 
 def _save_run(run: Path, **overrides) -> GPT:
@@ -127,7 +127,7 @@ def test_checkpoint_of_another_model_type(tmp_path: Path) -> None:
 
 
 def test_generate_command(moe_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from moebit.generate_cli import main
+    from moebit.cli.generate import main
 
     n = torch.get_num_threads()
     try:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from moebit.comm import stats
 from moebit.optim import OnebitAdam
 from moebit.testing import run_on_ranks
-from moebit.testing_toys import fit, flat_params, held_out_loss, regression_batch, regression_mlp
+
+from toys import fit, flat_params, held_out_loss, regression_batch, regression_mlp
 
 TIMEOUT = 150
 

@@ -15,7 +15,8 @@ import torch
 from moebit.comm import stats
 from moebit.optim import Lamb, OnebitLamb
 from moebit.testing import run_on_ranks
-from moebit.testing_toys import fit, flat_params, held_out_loss, regression_mlp
+
+from toys import fit, flat_params, held_out_loss, regression_mlp
 
 TIMEOUT = 150
 KW = dict(lr=2e-2, weight_decay=0.01, freeze_step=8)

@@ -15,7 +15,8 @@ import torch
 from moebit.comm import stats
 from moebit.optim import ZeroOneAdam
 from moebit.testing import run_on_ranks
-from moebit.testing_toys import fit, flat_params, held_out_loss, regression_mlp
+
+from toys import fit, flat_params, held_out_loss, regression_mlp
 
 TIMEOUT = 150
 KW = dict(lr=5e-3, weight_decay=0.01, var_freeze_step=10, var_update_scaler=2,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moebit.optim import ZeroOneAdam, build_optimizer, optimizer_from_deepspeed_config
-from moebit.testing_toys import fit, flat_params, regression_mlp, sum_batch
+
+from toys import fit, flat_params, regression_mlp, sum_batch
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -184,7 +184,7 @@ def _make_step(method: str, x, world: int) -> Callable[[], None]:
         send = torch.randint(0, 256, (world, cb + 4), dtype=torch.uint8)
         recv, send2, recv2 = torch.empty_like(send), send[0].clone(), torch.empty_like(send)
         mine, every = torch.tensor([n]), torch.empty(world, dtype=torch.int64)
-        from moebit.distributed import all_gather_flat
+        from moebit.comm.collectives import all_gather_flat
 
         def wire() -> None:
             t0 = time.perf_counter()

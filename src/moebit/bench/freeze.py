@@ -33,8 +33,7 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 def _run_all(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
     """On each rank: every configuration in turn, the same seed and data for each."""
-    from moebit import distributed as mdist
-    from moebit.comm import stats
+    from moebit.comm import collectives, stats
     from moebit.data import TrainBatches, load_corpus, val_batches
     from moebit.models.gpt import GPT, GPTConfig
     from moebit.optim import AutoFreeze, OnebitAdam
@@ -67,7 +66,7 @@ def _run_all(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]
             opt.zero_grad(set_to_none=True)
             model(x, y).loss.backward()
             if choice == "adam":
-                mdist.allreduce_mean_([p.grad for p in model.parameters()])
+                collectives.allreduce_mean_([p.grad for p in model.parameters()])
             opt.step()
             rule = getattr(opt, "auto_freeze", None)
             if rule is not None and rule.last_drift is not None and rule.snapshot_step == step + 1:

@@ -46,8 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit import distributed as mdist  # a module import: moebit.distributed imports comm.stats
-from moebit.comm import stats
+from moebit.comm import collectives, stats
 from moebit.comm.bitpack import empty_fast, feedback_error, feedback_step_, server_step_, unpack_scaled
 
 __all__ = ["OnebitAllreduce", "padded_length"]
@@ -323,7 +322,7 @@ class OnebitAllreduce:
         mine = torch.tensor([n], dtype=torch.int64, device=device)
         every = torch.empty(self.world, dtype=torch.int64, device=device)
         t0 = time.perf_counter()
-        mdist.all_gather_flat(every, mine, group=self.group)
+        collectives.all_gather_flat(every, mine, group=self.group)
         moved = 8 * (self.world - 1)
         stats.record("onebit.header", moved, moved, time.perf_counter() - t0)
         lengths = every.tolist()

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit import distributed as mdist  # a module import: moebit.distributed imports comm.stats
-from moebit.comm import stats
+from moebit.comm import collectives, stats
 from moebit.comm.compressed import OnebitAllreduce
 
 __all__ = [
@@ -46,7 +45,7 @@ def _exact_average(
 ) -> torch.futures.Future[torch.Tensor]:
     """Sum-allreduce the bucket asynchronously and divide by W (gloo has no AVG)."""
     buf = bucket.buffer()
-    w = mdist.world_size(group)
+    w = collectives.world_size(group)
     moved = stats.ring_allreduce_bytes(buf.numel() * buf.element_size(), w)
     stats.record("ddp.allreduce", moved, moved)
     if w == 1:

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebit.models.interface import ModelOutput
+from moebit.moe import MLP, MoEConfig, build_moe, expert_parallel_groups, is_expert_param
+
 
 @dataclass
 class GPTConfig:
@@ -90,26 +93,7 @@ class FeedForwardOutput:
     aux_loss: torch.Tensor
 
 
-@dataclass
-class GPTOutput:
-    logits: torch.Tensor
-    loss: torch.Tensor | None  # mean cross-entropy in nats per byte, when targets are given
-    aux_loss: torch.Tensor  # sum of the feed-forwards' auxiliary losses (0 for dense)
-    ffn_outputs: list[Any]  # each block's feed-forward output (router stats live there)
-
-
-class MLP(nn.Module):
-    """The dense GELU feed-forward; returns no auxiliary loss."""
-
-    def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_ffn)
-        self.proj = nn.Linear(d_ffn, d_model)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> FeedForwardOutput:
-        h = self.dropout(self.proj(F.gelu(self.fc(x))))
-        return FeedForwardOutput(h, h.new_zeros((), dtype=torch.float32))
+GPTOutput = ModelOutput  # the name older code imports
 
 
 @dataclass
@@ -159,8 +143,6 @@ class CausalSelfAttention(nn.Module):
 
 def moe_config_for(cfg: GPTConfig, layer: int) -> Any:
     """The ``moebit.moe.MoEConfig`` of block ``layer`` (its own expert count: Pyramid MoE)."""
-    from moebit.moe import MoEConfig
-
     settings = {**cfg.moe, "num_experts": cfg.experts_at(layer), "d_ffn": cfg.d_ffn}
     return MoEConfig.from_dict(settings)
 
@@ -169,8 +151,6 @@ def build_feed_forward(cfg: GPTConfig, layer: int, ep_groups: Any = None) -> nn.
     """The dense MLP, or an MoE layer (Residual when configured) for ``cfg.moe_layers()``."""
     if cfg.experts_at(layer) == 0:
         return MLP(cfg.d_model, cfg.d_ffn, cfg.dropout)
-    from moebit.moe import build_moe  # local import: dense models never need it
-
     return build_moe(cfg.d_model, moe_config_for(cfg, layer), ep_groups)
 
 
@@ -185,6 +165,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, Any]:
         x = x + self.attn(self.ln1(x), cache)
         out = self.ffn(self.ln2(x))
+        if isinstance(out, torch.Tensor):  # the dense MLP: no auxiliary loss
+            out = FeedForwardOutput(out, out.new_zeros((), dtype=torch.float32))
         return x + out.hidden, out
 
 
@@ -198,8 +180,6 @@ class GPT(nn.Module):
         # Expert-parallel process groups, made once (collectively) and shared by all layers.
         self.ep_groups = None
         if cfg.is_moe and int(cfg.moe.get("ep_size", 1)) > 1:
-            from moebit.moe import expert_parallel_groups
-
             self.ep_groups = expert_parallel_groups(int(cfg.moe["ep_size"]))
         self.blocks = nn.ModuleList(Block(cfg, i, self.ep_groups) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
@@ -208,7 +188,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # Residual projections scaled down with depth (GPT-2). Experts initialise themselves.
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") and not getattr(p, "moebit_expert", False):
+            if name.endswith("proj.weight") and not is_expert_param(p):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -229,7 +209,7 @@ class GPT(nn.Module):
         total = 0
         for p in self.parameters():
             n = p.numel()
-            if getattr(p, "moebit_expert", False) and self.ep_groups is not None:
+            if is_expert_param(p) and self.ep_groups is not None:
                 n *= self.ep_groups.ep_size
             total += n
         return total
@@ -237,14 +217,14 @@ class GPT(nn.Module):
     def num_expert_params(self) -> int:
         scale = self.ep_groups.ep_size if self.ep_groups is not None else 1
         return scale * sum(p.numel() for p in self.parameters()
-                           if getattr(p, "moebit_expert", False))
+                           if is_expert_param(p))
 
     def forward(
         self,
         idx_BT: torch.Tensor,
         targets_BT: torch.Tensor | None = None,
         caches: list[KVCache] | None = None,
-    ) -> GPTOutput:
+    ) -> ModelOutput:
         B, T = idx_BT.shape
         past = caches[0].length if caches else 0
         if past + T > self.config.block_size:
@@ -263,7 +243,7 @@ class GPT(nn.Module):
         loss = None
         if targets_BT is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets_BT.reshape(-1))
-        return GPTOutput(logits, loss, aux, ffn_outputs)
+        return ModelOutput(logits, loss, aux, ffn_outputs)
 
     def new_caches(self) -> list[KVCache]:
         return [KVCache() for _ in self.blocks]

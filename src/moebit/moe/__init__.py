@@ -17,7 +17,8 @@ from moebit.moe.gate import (
     router_z_loss,
     select_kept,
 )
-from moebit.moe.layer import MLP, MoE, MoEOutput, ResidualMoE, build_moe
+from moebit.moe.layer import MoE, MoEOutput, ResidualMoE, build_moe
+from moebit.moe.mlp import MLP
 from moebit.moe.parallel import (
     EPGroups,
     all_to_all,

@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moebit import distributed as mdist
+from moebit.comm import collectives
 from moebit.moe.config import MoEConfig
 from moebit.moe.dispatch import permute, plan_dispatch, unpermute
 from moebit.moe.experts import Experts
 from moebit.moe.gate import RoutingStats, TopKGate
+from moebit.moe.mlp import MLP
 from moebit.moe.parallel import EPGroups, expert_parallel_apply
 
 
@@ -56,12 +56,12 @@ class MoE(nn.Module):
                     f"ep_size = {ep} needs ep_groups: call "
                     "moebit.moe.expert_parallel_groups(ep_size) once and pass it to every layer"
                 )
-            if ep_groups.ep_size != ep or mdist.world_size(ep_groups.ep_group) != ep:
+            if ep_groups.ep_size != ep or collectives.world_size(ep_groups.ep_group) != ep:
                 raise ValueError(
                     f"ep_groups were made for ep_size = {ep_groups.ep_size} "
-                    f"(group of {mdist.world_size(ep_groups.ep_group)} ranks), config has {ep}"
+                    f"(group of {collectives.world_size(ep_groups.ep_group)} ranks), config has {ep}"
                 )
-            ep_rank = mdist.rank(ep_groups.ep_group)
+            ep_rank = collectives.rank(ep_groups.ep_group)
         self.ep_groups = ep_groups if ep > 1 else None
         self.gate = TopKGate(d_model, config)
         n_local = config.num_local_experts
@@ -95,18 +95,6 @@ class MoE(nn.Module):
         aux = c.router_aux_loss_coef * routing.aux_loss + c.router_z_loss_coef * routing.z_loss
         return MoEOutput(out_SD.view(x.shape), aux, routing.aux_loss, routing.z_loss,
                          routing.stats)
-
-
-class MLP(nn.Module):
-    """The dense feed-forward block: Linear(d, f) -> GELU -> Linear(f, d)."""
-
-    def __init__(self, d_model: int, d_ffn: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_ffn)
-        self.proj = nn.Linear(d_ffn, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
 
 
 class ResidualMoE(nn.Module):

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebit import distributed as mdist
-from moebit.comm import stats
+from moebit.comm import collectives, stats
 
 OP_NAME = "moe.all_to_all"
 
@@ -51,7 +50,7 @@ def expert_parallel_groups(ep_size: int) -> EPGroups:
     ``dist.new_group`` is collective over the world, so all groups are created on every
     rank (ep groups first, then expert-dp groups) and each rank keeps its own two.
     """
-    world, me = mdist.world_size(), mdist.rank()
+    world, me = collectives.world_size(), collectives.rank()
     if not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
     if world % ep_size:
@@ -89,7 +88,7 @@ def _all_to_all_rows(
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
     )
-    _record(x, send, recv, mdist.rank(group), time.perf_counter() - t0)
+    _record(x, send, recv, collectives.rank(group), time.perf_counter() - t0)
     return out
 
 
@@ -110,7 +109,7 @@ def all_to_all(
     x_ND: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Differentiable all_to_all of rows with uneven splits (``len(send) == group size``)."""
-    n = mdist.world_size(group)
+    n = collectives.world_size(group)
     if len(send) != n or len(recv) != n:
         raise ValueError(f"split sizes {send} / {recv} do not match the group size {n}")
     if sum(send) != x_ND.shape[0]:
@@ -123,7 +122,7 @@ def exchange_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> 
 
     Row r of the result holds what rank r sends to each of this rank's experts.
     """
-    ep = mdist.world_size(group)
+    ep = collectives.world_size(group)
     if ep == 1:
         return counts_E.view(1, -1)
     even = [counts_E.numel() // ep] * ep
@@ -141,7 +140,7 @@ def expert_parallel_apply(
     ``x_ND`` holds this rank's routed rows in global expert order with ``counts_E`` [E]
     rows per expert; the result has the same rows in the same order.
     """
-    ep = mdist.world_size(group)
+    ep = collectives.world_size(group)
     recv_RE = exchange_counts(counts_E, group)  # [source rank, local expert]
     send = counts_E.view(ep, -1).sum(1).tolist()
     recv = recv_RE.sum(1).tolist()
@@ -210,4 +209,4 @@ def allreduce_grads_(param_groups: list[dict[str, Any]]) -> None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         op = f"allreduce.{group.get('moebit_group', 'params')}"
-        mdist.allreduce_mean_(grads, group.get("process_group"), op_name=op)
+        collectives.allreduce_mean_(grads, group.get("process_group"), op_name=op)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from moebit import distributed as mdist
+from moebit.comm import collectives
 
 CHUNK = 1 << 18  # elements per temporary in element-wise updates (1 MiB of fp32)
 
@@ -303,7 +303,7 @@ class CompressedOptimizer(Optimizer):
         return group.get("process_group", self._default_pg)
 
     def _world(self, group: dict[str, Any]) -> int:
-        return mdist.world_size(self._group_pg(group))
+        return collectives.world_size(self._group_pg(group))
 
     def _build_buckets(self) -> None:
         """Lay out the state of each new group as flat buffers, one per (device, dtype)."""
@@ -390,11 +390,11 @@ class CompressedOptimizer(Optimizer):
         one rank. True if the gradients were exchanged (here or by the caller).
         """
         pg = self._group_pg(group)
-        if mdist.world_size(pg) == 1 or self.grads_averaged_externally:
+        if collectives.world_size(pg) == 1 or self.grads_averaged_externally:
             return False
         if self._preaveraged:
             return True
-        mdist.allreduce_mean_(grads, pg, op_name=op_name)
+        collectives.allreduce_mean_(grads, pg, op_name=op_name)
         return True
 
     def _compressor(self, gi: int) -> Any:
@@ -537,7 +537,7 @@ class CompressedOptimizer(Optimizer):
         self._load_extra_state(ob)
         self._compressors = {}
         self._after_load()
-        now = [mdist.world_size(pg) for pg in groups_pg]
+        now = [collectives.world_size(pg) for pg in groups_pg]
         for key, csd in ob.get("compressors", {}).items():
             gi = int(key)
             if now[gi] > 1:

@@ -56,8 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit import distributed as mdist
-from moebit.comm import stats
+from moebit.comm import collectives, stats
 
 logger = logging.getLogger("moebit.optim")
 
@@ -196,7 +195,7 @@ def _sum_over(
 
     It travels on ``device`` (the buffers' device) so that NCCL groups get a CUDA tensor.
     """
-    w = mdist.world_size(group)
+    w = collectives.world_size(group)
     if w == 1:
         return x
     x = x.to(device)

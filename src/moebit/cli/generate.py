@@ -20,8 +20,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from moebit.checkpoint import CheckpointError
+from moebit.checkpoint import CheckpointError, read_manifest
+from moebit.cli.launch import run_ranks
+from moebit.comm.collectives import init_from_env
+from moebit.inference import generate_tokens, load_model, model_config_of, resolve_checkpoint
+from moebit.quantize import quantize_experts_
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -66,8 +71,6 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def _check(args: argparse.Namespace) -> int:
     """Validate flags and the checkpoint before any rank starts; returns the ep size to use."""
-    from moebit.checkpoint import read_manifest
-    from moebit.inference import model_config_of, resolve_checkpoint
 
     for name in ("max_new_tokens", "top_k", "ep_size", "threads"):
         if getattr(args, name) < 0:
@@ -94,8 +97,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run_rank(args: argparse.Namespace, ep: int) -> int:
-    from moebit.distributed import init_from_env
-    from moebit.inference import generate_tokens, load_model
 
     if ep < 0:  # a launched rank: the parent checked everything
         ep = args.ep_size
@@ -106,7 +107,6 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
         model = load_model(args.checkpoint, ep_size=ep, rank=info.rank)
         report = None
         if args.quantize == "int8":  # before the cast: the report compares with float32 experts
-            from moebit.quantize import quantize_experts_
 
             report = quantize_experts_(model)
         if DTYPES[args.dtype] != torch.float32:
@@ -140,8 +140,6 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
                 Path(args.json).write_text(json.dumps(
                     {"prompts": prompts, "texts": texts, **summary}, indent=2) + "\n")
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
@@ -153,19 +151,8 @@ ARGS_ENV = "MOEBIT_GENERATE_ARGS"
 def _launch(args: argparse.Namespace, ep: int) -> int:
     """Start --nproc ranks; the settings travel as JSON in the environment, not as argv,
     where torchrun's parser would take ``--nproc`` for its own ``--nproc-per-node``."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[ARGS_ENV] = json.dumps({**vars(args), "ep_size": ep, "worker": True})
-    targs = ["--standalone", "--nproc-per-node", str(args.nproc), "--module", "moebit.generate_cli",
-             "--worker"]
-    try:
-        run(get_args_parser().parse_args(targs))
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        raise RuntimeError(f"generation failed on rank {rank} (exit code {failure.exitcode}); "
-                           "see its error above") from None
+    run_ranks({"nproc": args.nproc}, "moebit.cli.generate", ["--worker"], "generation")
     return 0
 
 

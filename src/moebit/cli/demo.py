@@ -20,6 +20,9 @@ import json
 import time
 from pathlib import Path
 
+from moebit.cli.train import launch_training, parse_train_args
+from moebit.report import report
+
 DEMO_MODEL = ["--n-layer", "4", "--n-head", "4", "--d-model", "192", "--block-size", "128",
               "--batch-size", "16", "--lr", "2e-3", "--warmup-steps", "30", "--eval-every", "50",
               "--dtype", "bf16"]
@@ -39,9 +42,6 @@ def main(argv: list[str]) -> int:
                     help=f"comma list of parts to run (default all: {','.join(n for n, _ in PLAN)})")
     ap.add_argument("--out", default=None, help="folder for the demo's runs (default runs/demo-<time>)")
     args = ap.parse_args(argv)
-    from moebit.cli import launch_training, parse_train_args
-    from moebit.report import report
-
     wanted = args.only.split(",") if args.only else [n for n, _ in PLAN]
     unknown = set(wanted) - {n for n, _ in PLAN}
     if unknown:

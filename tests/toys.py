@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moebit import distributed as mdist
+from moebit.comm import collectives
+from moebit.models import gpt
 
 
 def regression_mlp(seed: int = 0, n_in: int = 10, hidden: int = 32) -> nn.Module:
@@ -58,7 +59,7 @@ def fit(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: Iterable
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         if average:
-            mdist.allreduce_mean_([p.grad for p in model.parameters()])
+            collectives.allreduce_mean_([p.grad for p in model.parameters()])
         opt.step()
         if sched is not None:
             sched.step()
@@ -81,8 +82,6 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 def poison_gpt_loss(rank: int, on_rank: int, at_call: int) -> None:
     """Make ``GPT``'s training loss NaN on rank ``on_rank`` at its ``at_call``-th training
     forward (1-based), in this process only: the fault the NaN policies must survive."""
-    from moebit.models import gpt
-
     original = gpt.GPT.forward
     calls = {"n": 0}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,18 +181,19 @@ def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[to
 
 def broadcast_params_(module: torch.nn.Module, src: int = 0,
                       expert_dp_group: dist.ProcessGroup | None = None,
-                      expert_src: int | None = None) -> None:
+                      expert_src: int | None = None,
+                      is_expert: Callable[[torch.Tensor], bool] | None = None) -> None:
     """Make every rank start from the same weights.
 
-    Dense parameters and buffers come from rank ``src``. Parameters marked
-    ``moebit_expert`` differ between expert-parallel ranks (each holds other experts):
-    with ``expert_dp_group`` they come from ``expert_src`` (a global rank) within that
-    group, which holds the same experts on every member.
+    Dense parameters and buffers come from rank ``src``. Expert parameters (those for
+    which ``is_expert`` holds) differ between expert-parallel ranks (each holds other
+    experts): with ``expert_dp_group`` they come from ``expert_src`` (a global rank)
+    within that group, which holds the same experts on every member.
     """
     if world_size() == 1:
         return
     for p in module.parameters():
-        if getattr(p, "moebit_expert", False) and expert_src is not None:
+        if expert_src is not None and is_expert is not None and is_expert(p):
             dist.broadcast(p.data, src=expert_src, group=expert_dp_group)
         else:
             dist.broadcast(p.data, src=src)

@@ -14,21 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from moebit.cli import (
-    INTERNAL_FIELDS,
-    LAUNCH_FLAGS,
-    UsageError,
-    parse_known,
-    prepare_run_dir,
-    torchrun_args,
-)
+from moebit.checkpoint import write_text_atomic
+from moebit.cli.args import UsageError, add_dataclass_flags, parse_known, unknown_flag_error
+from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
+from moebit.cli.train import INTERNAL_FIELDS
 from moebit.config import TrainConfig
 from moebit.distill import (
     DISTILL_FILE,
@@ -62,22 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     kd.add_argument("--no-kd", action="store_true", help="baseline: same init and steps, no KD")
     kd.add_argument("--teacher-dtype", choices=("bf16", "fp32"),
                     help="autocast dtype of the teacher's forward pass (default bf16)")
-    launch = ap.add_argument_group("launch (torchrun)")
-    launch.add_argument("--nproc", type=int, help="ranks on this machine (default 2)")
-    launch.add_argument("--nnodes", type=int, help="machines taking part (default 1)")
-    launch.add_argument("--node-rank", type=int, help="this machine's index (multi-node)")
-    launch.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (multi-node)")
-    launch.add_argument("--rdzv-id", help="rendezvous id shared by all nodes")
-    launch.add_argument("--max-restarts", type=int, help="restart failed ranks this many times")
+    add_launch_flags(ap)
     tr = ap.add_argument_group("training (default: the teacher's settings)")
-    for f in fields(TrainConfig):
-        if f.name in INTERNAL_FIELDS or f.name in FIXED_BY_TEACHER:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            tr.add_argument(flag, action=argparse.BooleanOptionalAction)
-        else:
-            tr.add_argument(flag, metavar=f.name.upper())
+    add_dataclass_flags(tr, TrainConfig, skip=(*INTERNAL_FIELDS, *FIXED_BY_TEACHER))
     return ap
 
 
@@ -97,9 +77,9 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
         if flag in fixed:
             raise UsageError(f"{flag} cannot be set for a student: model shapes come from the "
                              "teacher (choose depth with --student-layers / --keep-layers)")
-        raise UsageError(f"unknown flag {unknown[0]!r} for moebit distill (see moebit distill --help)")
+        raise unknown_flag_error(unknown, "distill")
     given = vars(ns)
-    launch = {k: given.pop(k) for k in LAUNCH_FLAGS if k in given}
+    launch = pop_launch(given)
     dvals: dict[str, Any] = {"teacher": given.pop("teacher"),
                              "student_layers": given.pop("student_layers")}
     for k in ("kd_weight", "temperature", "kd_stop_fraction", "kd_stop_rule", "kd_check_every",
@@ -119,28 +99,11 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
 
 def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]) -> Path:
     """Write the run folder and run the ranks through torch.distributed.run."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    from moebit.checkpoint import write_text_atomic
-
     run_dir = prepare_run_dir(cfg)
     write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
-    args = torchrun_args(launch, run_dir / "config.json")
-    at = args.index("--module")
-    args = args[:at] + ["--module", "moebit.distill", "--resolved-config", str(run_dir / "config.json")]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"moebit distill: run folder {run_dir}; student blocks from teacher blocks "
-          f"{dcfg.keep_layers}", file=sys.stderr)
-    try:
-        run(get_args_parser().parse_args(args))
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
-               else f"exit code {failure.exitcode}")
-        detail = failure.message if isinstance(failure.message, str) else ""
-        raise RuntimeError(f"distillation failed: rank {rank} ({how}); the other ranks were stopped"
-                           + (f"\n{detail}" if detail else "")) from None
+    print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
+    run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
+              "distillation")
     return run_dir
 
 
@@ -150,7 +113,3 @@ def main(argv: list[str]) -> int:
     print(f"moebit distill: done; metrics and plots in {run_dir} "
           f"(compare: moebit report {dcfg.teacher} {run_dir})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit.checkpoint import (
+from moebit.checkpoint.files import (
     CheckpointError,
     latest,
     load_file,
@@ -37,9 +37,10 @@ from moebit.checkpoint import (
     write_manifest,
     write_text_atomic,
 )
+from moebit.comm.collectives import DistInfo
 from moebit.config import TrainConfig
 from moebit.data import TrainBatches
-from moebit.distributed import DistInfo
+from moebit.moe import is_expert_param
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Resumed:
 
 
 def expert_names(model: torch.nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if getattr(p, "moebit_expert", False)}
+    return {n for n, p in model.named_parameters() if is_expert_param(p)}
 
 
 def _group_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:

@@ -17,13 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import torch
+from tqdm import tqdm
 
 from moebit.checkpoint import CheckpointError, read_manifest
+from moebit.data import load_corpus, val_batches
+from moebit.inference import load_model, resolve_checkpoint
+from moebit.train import evaluate
+
+matplotlib.use("Agg")  # files only: no display on a training machine
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 USAGE_ERRORS = (CheckpointError, ValueError, OSError)
 
@@ -68,12 +77,6 @@ def split_windows(data: Any, block_size: int, batch_size: int,
 def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: bool = False,
                  dtype: str = "run") -> dict[str, Any]:
     """Load one run's checkpoint and score it; returns the numbers of one table row."""
-    from tqdm import tqdm
-
-    from moebit.data import load_corpus, val_batches
-    from moebit.inference import load_model, resolve_checkpoint
-    from moebit.train import evaluate
-
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
     run_cfg = manifest.get("config")
@@ -106,13 +109,6 @@ def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
     Runs are grouped by their folder name with a trailing ``-s<seed>`` removed, so
     ``moe8-s7`` and ``moe8-s1337`` are two seeds of ``moe8``.
     """
-    import re
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups: dict[str, list[float]] = {}
     for r in rows:
         name = re.sub(r"-s\d+$", "", Path(r["run"].rstrip("/")).name)
@@ -162,6 +158,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.plot}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Checkpoints: ``files`` holds the atomic, code-free file layer (shards, manifests, which
+checkpoint is newest and complete); ``train_state`` saves and restores a training run
+(model, optimizer, data stream, RNG) on top of it, resharding experts across world sizes.
+
+Only the file layer is re-exported here: reading a manifest must not import the models.
+"""
+
+from moebit.checkpoint.files import (
+    MANIFEST,
+    CheckpointError,
+    latest,
+    list_complete,
+    load_file,
+    prune,
+    read_manifest,
+    save_atomic,
+    sha256_of,
+    shard_name,
+    step_dir,
+    verify,
+    write_manifest,
+    write_text_atomic,
+)
+
+__all__ = [
+    "MANIFEST", "CheckpointError", "latest", "list_complete", "load_file", "prune",
+    "read_manifest", "save_atomic", "sha256_of", "shard_name", "step_dir", "verify",
+    "write_manifest", "write_text_atomic",
+]

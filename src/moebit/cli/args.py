@@ -1,0 +1,80 @@
+"""Argument helpers shared by every ``moebit`` command: one way to turn bad input into one line.
+
+Each command module builds its own argparse parser; what they share is here: the
+``UsageError`` every command raises for bad input, the flags generated from a config
+dataclass, and a ``parse_known_args`` that reports argparse's complaints as that error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterable
+from dataclasses import fields
+from typing import Any
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message names the flag or the file."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_flags(group: Any, cls: type, skip: Iterable[str] = ()) -> None:
+    """One flag per field of ``cls`` (``n_layer`` becomes ``--n-layer``), values kept as strings
+    so the config's own checks convert them and name the key when they fail."""
+    skipped = set(skip)
+    for f in fields(cls):
+        if f.name in skipped:
+            continue
+        if f.type in ("bool", bool):
+            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction)
+        else:
+            group.add_argument(flag(f.name), metavar=f.name.upper())
+
+
+def parse_known(ap: argparse.ArgumentParser, argv: list[str],
+                cmd: str) -> tuple[argparse.Namespace, list[str]]:
+    """argparse's parse_known_args, with its exit on bad input turned into a UsageError
+    (``--help`` still exits).
+
+    A value that starts with '-' and reads as a number (``--lr -1e-3``) is joined to its
+    flag first: argparse would otherwise take it for an unknown option.
+    """
+    try:
+        return ap.parse_known_args(join_negative_values(argv))
+    except SystemExit as e:
+        if e.code == 0:  # --help
+            raise
+        raise UsageError(f"bad arguments to moebit {cmd} (see above)") from e
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_number(a) and a[0] == "-":
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def unknown_flag_error(unknown: list[str], cmd: str) -> UsageError:
+    """The error for the first unknown argument; a stray existing path is most often a glob
+    the shell expanded, so that case says to quote it."""
+    first = unknown[0]
+    if not first.startswith("-") and os.path.exists(first):
+        return UsageError(
+            f"unexpected argument {first!r} for moebit {cmd}: it is an existing path; if it came "
+            "from a glob (--data *.txt), quote the glob so moebit expands it: --data '*.txt'")
+    return UsageError(f"unknown flag {first!r} for moebit {cmd} (see moebit {cmd} --help)")

@@ -1,0 +1,45 @@
+"""The model interface: what the loop, checkpoints, distillation, eval and decoding rely on.
+
+Any ``nn.Module`` with these members plugs into ``moebit.train``: moebit's byte GPT
+(``models.gpt``) implements it, and so do the Hugging Face families. It is a Protocol, not
+a base class: a model satisfies it by shape, and ``isinstance(model, CausalLM)`` checks
+the members exist.
+
+    out = model(input_ids_BT, targets_BT)   # ModelOutput: logits, loss, aux_loss, ffn_outputs
+    model.num_params(), model.num_expert_params()
+    is_expert_param(p)                      # the one way to tell an expert parameter
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from moebit.moe import is_expert_param
+
+__all__ = ["CausalLM", "ModelOutput", "is_expert_param"]
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None  # mean cross-entropy in nats per token, when targets are given
+    aux_loss: torch.Tensor  # sum of the feed-forwards' auxiliary losses (0 for dense)
+    ffn_outputs: list[Any]  # each block's feed-forward output (router stats live there)
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: Any  # a dataclass with to_dict(); saved in every checkpoint manifest
+    blocks: nn.ModuleList  # decoder blocks, driven one by one by decoding
+    ep_groups: Any  # moebit.moe.EPGroups when experts are sharded over ranks, else None
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: Any = None) -> ModelOutput: ...
+
+    def num_params(self) -> int: ...
+
+    def num_expert_params(self) -> int: ...
