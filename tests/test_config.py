@@ -13,14 +13,14 @@ def test_defaults_then_file_then_flags(tmp_path: Path):
     f = tmp_path / "c.toml"
     f.write_text('steps = 50\nlr = 0.01\n[model]\nn_layer = 3\n')
     cfg, launch = parse_train_args(["--config", str(f), "--lr", "0.002", "--nproc", "3"])
-    assert (cfg.steps, cfg.lr, cfg.n_layer) == (50, 0.002, 3)
+    assert (cfg.steps, cfg.lr, cfg.model.n_layer) == (50, 0.002, 3)
     assert launch == {"nproc": 3}
 
 
 def test_json_config(tmp_path: Path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"d_model": 64, "n_head": 2, "dtype": "fp32"}))
-    assert build(load_file(str(f))).d_model == 64
+    assert build(load_file(str(f))).model.d_model == 64
 
 
 def test_unknown_key_in_file_is_named(tmp_path: Path):

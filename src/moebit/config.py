@@ -1,25 +1,33 @@
-"""The training configuration: one flat dataclass, filled from defaults, a file, then flags.
+"""The training configuration: a model config, its MoE settings, and the run's own settings.
 
-Every field is also a ``moebit train`` flag (``n_layer`` is ``--n-layer``) and a key of a
-TOML or JSON ``--config`` file. Unknown keys and bad values are errors that name the key.
+``TrainConfig`` composes: ``cfg.model`` is the ``GPTConfig`` (whose ``moe`` is the
+``MoEConfig`` every MoE block starts from) and the rest are training settings. On the
+command line and in files the keys are flat and unique, so every field of all three is
+a ``moebit train`` flag (``n_layer`` is ``--n-layer``, ``drop_policy`` is
+``--drop-policy``) and a key of a TOML or JSON ``--config`` file, where tables such as
+``[model]`` or ``[moe]`` only group keys. ``to_dict()`` writes the same flat keys, so a
+run's ``config.json`` reads back through the same path. Unknown keys and bad values are
+errors that name the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moebit.models.gpt import GPTConfig
+from moebit.moe import MoEConfig
+from moebit.optim import EXACT_OPTIMIZERS, optimizer_names
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-
-OPTIMIZERS = ("adam", "onebit_adam", "zero_one_adam", "onebit_lamb", "lamb")
 
 
 class ConfigError(ValueError):
@@ -28,24 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    # model
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 256
-    d_ffn: int = 0
-    block_size: int = 256
-    dropout: float = 0.0
-    # mixture of experts (0 experts = dense)
-    num_experts: int | list[int] = 0
-    moe_every: int = 2
-    num_experts_per_tok: int = 1
-    moe_residual: bool = False
-    capacity_factor: float = 1.0
-    eval_capacity_factor: float = 1.0
-    drop_tokens: bool = True
-    router_aux_loss_coef: float = 0.01
-    router_z_loss_coef: float = 0.0
-    ep_size: int = 1
+    model: GPTConfig = field(default_factory=GPTConfig)
     # data
     data: str | None = None
     batch_size: int = 16
@@ -79,48 +70,76 @@ class TrainConfig:
     resume: bool = False  # set by `moebit train --resume RUN`: continue from its latest checkpoint
     extra: dict[str, Any] = field(default_factory=dict)  # optimizer-specific settings
 
+    @property
+    def moe(self) -> MoEConfig | None:
+        """The MoE blocks' settings (None for a dense model)."""
+        return self.model.moe
+
     def model_config(self) -> GPTConfig:
-        moe = {
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "residual": self.moe_residual,
-            "capacity_factor": self.capacity_factor,
-            "eval_capacity_factor": self.eval_capacity_factor,
-            "drop_tokens": self.drop_tokens,
-            "router_aux_loss_coef": self.router_aux_loss_coef,
-            "router_z_loss_coef": self.router_z_loss_coef,
-            "ep_size": self.ep_size,
-        }
-        return GPTConfig(
-            block_size=self.block_size,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            d_model=self.d_model,
-            d_ffn=self.d_ffn,
-            dropout=self.dropout,
-            num_experts=self.num_experts,
-            moe_every=self.moe_every,
-            moe=moe if self.num_experts else {},
-        )
+        return self.model
 
     def resolved_freeze_step(self) -> int | str | None:
-        if self.optimizer in ("adam", "lamb"):
+        if self.optimizer in EXACT_OPTIMIZERS:
             return None
         if self.freeze_step is None:
             return max(1, round(0.2 * self.steps))
         return self.freeze_step
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Flat keys, as flags and config files spell them."""
+        out: dict[str, Any] = {}
+        moe = self.model.moe or MoEConfig(num_experts=1)
+        for key, (owner, name) in FLAT_KEYS.items():
+            src = self if owner == "train" else self.model if owner == "model" else moe
+            value = getattr(src, name)
+            out[key] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        return out
 
 
-def _field_types() -> dict[str, Any]:
-    return {f.name: f.type for f in fields(TrainConfig)}
+# Flat key -> (owner, field name). The model's ``moe`` and ``vocab_size`` are not keys (the
+# first is these MoE keys, the second is fixed by the byte-level data); of MoEConfig,
+# ``num_experts`` is the model's (a count or one per MoE block), ``d_ffn`` is spelled
+# ``expert_d_ffn`` (unset: the model's ``d_ffn``) and ``residual`` ``moe_residual``.
+_MODEL_SKIP = ("moe", "vocab_size")
+_MOE_SKIP = ("num_experts",)
+_MOE_RENAMES = {"residual": "moe_residual", "d_ffn": "expert_d_ffn"}
+
+
+def _flat_keys() -> dict[str, tuple[str, str]]:
+    keys: dict[str, tuple[str, str]] = {}
+    for f in dataclasses.fields(GPTConfig):
+        if f.name not in _MODEL_SKIP:
+            keys[f.name] = ("model", f.name)
+    for f in dataclasses.fields(MoEConfig):
+        if f.name not in _MOE_SKIP:
+            keys[_MOE_RENAMES.get(f.name, f.name)] = ("moe", f.name)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "model":
+            keys[f.name] = ("train", f.name)
+    return keys
+
+
+FLAT_KEYS = _flat_keys()
+_OWNERS = {"model": GPTConfig, "moe": MoEConfig, "train": TrainConfig}
+
+
+def flat_fields(owner: str) -> list[tuple[str, dataclasses.Field]]:
+    """(flat key, dataclass field) of one owner ("model", "moe" or "train"), for the CLI."""
+    by_name = {f.name: f for f in dataclasses.fields(_OWNERS[owner])}
+    return [(k, by_name[n]) for k, (o, n) in FLAT_KEYS.items() if o == owner]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
 
 
 def _check_value(key: str, value: Any) -> Any:
-    """Coerce ``value`` to the field's type or raise a ConfigError naming ``key``."""
-    default = {f.name: f for f in fields(TrainConfig)}[key]
-    proto = default.default if default.default is not MISSING else default.default_factory()  # type: ignore[misc]
+    """Coerce ``value`` to the key's type or raise a ConfigError naming ``key``."""
+    owner, name = FLAT_KEYS[key]
+    f = next(f for f in dataclasses.fields(_OWNERS[owner]) if f.name == name)
+    proto, ann = _default(f), str(f.type)
     if key == "num_experts":
         if isinstance(value, str):
             value = [int(v) for v in value.split(",")] if "," in value else int(value)
@@ -133,35 +152,39 @@ def _check_value(key: str, value: Any) -> Any:
         if value is None or value == "auto":
             return value
         try:
-            v = int(value)
+            return int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"freeze_step: expected a step number or 'auto', got {value!r}") from None
-        return v
-    if key in ("data", "run_dir"):
-        return None if value is None else str(value)
-    if key == "extra":
+    if "None" in ann and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    if value is None:
+        raise ConfigError(f"{key}: a value is required, got {value!r}")
+    if isinstance(proto, dict):
         if not isinstance(value, dict):
-            raise ConfigError(f"extra: expected a table/object, got {value!r}")
+            raise ConfigError(f"{key}: expected a table/object, got {value!r}")
         return value
-    if isinstance(proto, bool):
+    if isinstance(proto, bool) or ann == "bool":
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
-    if isinstance(proto, int):
+    if isinstance(proto, int) or ann.startswith("int"):
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         try:
             return int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if isinstance(proto, float):
+    if isinstance(proto, float) or ann.startswith("float"):
         try:
-            return float(value)
+            v = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if isinstance(proto, str):
+        if not math.isfinite(v):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return v
+    if isinstance(proto, str) or ann.startswith("str"):
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
@@ -169,16 +192,14 @@ def _check_value(key: str, value: Any) -> Any:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Range checks that need more than one field; returns ``cfg`` for chaining."""
+    """Range checks of the training settings (the model and MoE configs check their own)."""
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
             raise ConfigError(f"{key}: {msg} (got {getattr(cfg, key)!r})")
 
-    for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "steps",
-                "eval_every", "eval_batches", "log_every", "moe_every", "ep_size",
-                "num_experts_per_tok"):
+    for key in ("batch_size", "steps", "eval_every", "eval_batches", "log_every"):
         need(getattr(cfg, key) > 0, key, "must be positive")
-    for key in ("d_ffn", "warmup_steps", "threads", "samples", "save_every", "max_nan_skips"):
+    for key in ("warmup_steps", "threads", "samples", "save_every", "max_nan_skips"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.lr > 0, "lr", "must be positive")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
@@ -187,24 +208,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.eps >= 0, "eps", "must be >= 0")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
-    need(cfg.capacity_factor > 0, "capacity_factor", "must be positive")
-    need(cfg.eval_capacity_factor > 0, "eval_capacity_factor", "must be positive")
     need(cfg.dtype in ("bf16", "fp32"), "dtype", "must be bf16 or fp32")
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
     need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")
-    need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+    names = optimizer_names()
+    need(cfg.optimizer in names, "optimizer", f"must be one of {', '.join(names)}")
     if isinstance(cfg.freeze_step, int):
         need(cfg.freeze_step >= 1, "freeze_step", "must be >= 1 (at least one exact step) or 'auto'")
-    try:
-        cfg.model_config()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     return cfg
 
 
 def load_file(path: str) -> dict[str, Any]:
-    """Read a TOML or JSON config file into a dict of TrainConfig keys."""
+    """Read a TOML or JSON config file into a dict of flat keys."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path!r}: no such file")
@@ -222,9 +238,8 @@ def load_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path!r}: expected a table/object at the top level")
     # Tables are a convenience for grouping ([model], [moe], ...): flatten one level.
     flat: dict[str, Any] = {}
-    known = _field_types()
     for k, v in raw.items():
-        if isinstance(v, dict) and k not in known:
+        if isinstance(v, dict) and k not in FLAT_KEYS:
             flat.update(v)
         else:
             flat[k] = v
@@ -234,13 +249,17 @@ def load_file(path: str) -> dict[str, Any]:
 def build(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
           source: str = "config") -> TrainConfig:
     """Defaults, then ``file_values``, then ``overrides`` (flags); validated."""
-    known = _field_types()
-    values: dict[str, Any] = {}
+    values: dict[str, dict[str, Any]] = {"model": {}, "moe": {}, "train": {}}
     for where, layer in ((source, file_values or {}), ("flags", overrides or {})):
         for k, v in layer.items():
-            if k not in known:
-                close = [n for n in known if n.startswith(k[:3])]
+            if k not in FLAT_KEYS:
+                close = [n for n in FLAT_KEYS if n.startswith(k[:3])]
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"unknown setting {k!r} in {where}{hint}")
-            values[k] = _check_value(k, v)
-    return validate(TrainConfig(**values))
+            owner, name = FLAT_KEYS[k]
+            values[owner][name] = _check_value(k, v)
+    try:
+        model = GPTConfig(**values["model"], moe=values["moe"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return validate(TrainConfig(model=model, **values["train"]))

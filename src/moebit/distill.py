@@ -160,7 +160,7 @@ def student_config(teacher: GPTConfig, keep: list[int]) -> GPTConfig:
     d = teacher.to_dict()
     d["n_layer"] = len(keep)
     if not counts:
-        d["num_experts"], d["moe"] = 0, {}
+        d["num_experts"], d["moe"] = 0, None
     elif isinstance(teacher.num_experts, int):
         d["num_experts"] = teacher.num_experts
     else:
@@ -206,7 +206,8 @@ def check_compatible(teacher: GPTConfig, student: GPTConfig, keep: list[int]) ->
                 f"student block {i} has {student.experts_at(i)} experts but teacher block {k}, "
                 f"which initialises it, has {teacher.experts_at(k)}"
             )
-    t_res, s_res = bool(teacher.moe.get("residual")), bool(student.moe.get("residual"))
+    t_res = bool(teacher.moe and teacher.moe.residual)
+    s_res = bool(student.moe and student.moe.residual)
     if student.is_moe and t_res != s_res:
         raise DistillError(f"teacher residual MoE = {t_res} but student = {s_res}: the blocks differ")
 
@@ -320,11 +321,11 @@ def build_teacher(dcfg: DistillConfig, ep_size: int, rank: int) -> tuple[GPT, Tr
     from moebit.checkpoint.train_state import load_model_weights
 
     t_cfg, ckpt = load_teacher_config(dcfg.teacher)
-    if t_cfg.num_experts:
-        t_cfg.ep_size = ep_size
+    if t_cfg.moe:
+        t_cfg.model.moe = t_cfg.moe.replace(ep_size=ep_size)
     teacher = GPT(t_cfg.model_config())
     manifest = read_manifest(ckpt)
-    load_model_weights(ckpt, manifest, teacher, rank, ep_size if t_cfg.num_experts else 1)
+    load_model_weights(ckpt, manifest, teacher, rank, ep_size if t_cfg.moe else 1)
     teacher.eval()
     teacher.requires_grad_(False)
     return teacher, t_cfg, int(manifest["step"])
@@ -339,17 +340,17 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
 
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
-    check_block_size(corpus, cfg.block_size)
-    teacher, t_cfg, teacher_step = build_teacher(dcfg, cfg.ep_size, info.rank)
+    check_block_size(corpus, cfg.model.block_size)
+    teacher, t_cfg, teacher_step = build_teacher(dcfg, cfg.moe.ep_size if cfg.moe else 1, info.rank)
     teacher.to(info.device)
     keep = dcfg.keep_layers or choose_layers(t_cfg.model_config(), dcfg.student_layers)
     check_compatible(teacher.config, cfg.model_config(), keep)
     model = GPT(cfg.model_config()).to(info.device)
     init_student_(model, teacher, keep)
     opt = tr.make_optimizer(cfg, tr.param_groups(model, cfg))
-    batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)
-    vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
-    tokens_per_step = cfg.batch_size * cfg.block_size * info.world_size
+    batches = TrainBatches(corpus.train, cfg.model.block_size, cfg.batch_size, cfg.seed, info.rank)
+    vbatches = val_batches(corpus.val, cfg.model.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
+    tokens_per_step = cfg.batch_size * cfg.model.block_size * info.world_size
     kd_steps = dcfg.kd_steps(cfg.steps)
     kd_on, kd_used = kd_steps > 0, 0
     t_dtype = "bf16" if dcfg.teacher_dtype == "bf16" else "fp32"
@@ -443,7 +444,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
         if use_kd:
             win["kd"] += kd_value
             win["n_kd"] += 1
-        if cfg.num_experts:
+        if cfg.moe:
             last_moe = tr.moe_metrics(out.ffn_outputs)
         last = step == cfg.steps - 1
         if (step + 1) % cfg.log_every == 0 or last:
@@ -459,7 +460,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
                    "comm_stage": getattr(opt, "comm_stage", "exact")}
             if win["n_kd"]:
                 rec["kd_loss"] = win["kd"] / win["n_kd"]
-            if cfg.num_experts:
+            if cfg.moe:
                 rec["aux_loss"] = win["aux"] / n
                 rec.update(last_moe)
             emit(rec)

@@ -97,7 +97,7 @@ def load_model(
     manifest = read_manifest(d)
     cfg = model_config_of(manifest, d)
     if cfg.is_moe:
-        cfg.moe = {**cfg.moe, "ep_size": ep_size}
+        cfg.moe = cfg.moe.replace(ep_size=ep_size)
     elif ep_size > 1:
         raise ValueError(f"{d} holds a dense model: expert parallelism (ep_size {ep_size}) needs experts")
     model = GPT(cfg)

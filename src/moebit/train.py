@@ -221,7 +221,7 @@ def any_rank(flag: bool, local_grads: bool) -> bool:
 def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
-    check_block_size(corpus, cfg.block_size)
+    check_block_size(corpus, cfg.model.block_size)
     model = GPT(cfg.model_config()).to(info.device)
     ep = model.ep_groups
     if ep is None:
@@ -231,10 +231,10 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                           is_expert=is_expert_param)
     groups = param_groups(model, cfg)
     opt = make_optimizer(cfg, groups)
-    batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, info.rank)
-    vbatches = val_batches(corpus.val, cfg.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
+    batches = TrainBatches(corpus.train, cfg.model.block_size, cfg.batch_size, cfg.seed, info.rank)
+    vbatches = val_batches(corpus.val, cfg.model.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
     n_params = model.num_params()
-    tokens_per_step = cfg.batch_size * cfg.block_size * info.world_size
+    tokens_per_step = cfg.batch_size * cfg.model.block_size * info.world_size
 
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     resumed = None
@@ -326,7 +326,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         win_norm += norm
         win_clipped += int(cfg.grad_clip > 0 and norm > cfg.grad_clip)
         win_n += 1
-        if cfg.num_experts:
+        if cfg.moe:
             last_moe = moe_metrics(out.ffn_outputs)
         last = step == cfg.steps - 1
         if win_n and ((step + 1) % cfg.log_every == 0 or last):
@@ -347,7 +347,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
             }
             if hasattr(opt, "comm_rounds"):
                 rec["comm_rounds"] = opt.comm_rounds
-            if cfg.num_experts:
+            if cfg.moe:
                 rec["aux_loss"] = win_aux / win_n
                 rec.update(last_moe)
             emit(rec)

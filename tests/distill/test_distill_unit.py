@@ -126,8 +126,8 @@ def test_student_train_config_and_stop_step():
                      "moe_residual": True, "steps": 100, "lr": 3e-3})
     d = DistillConfig(teacher="unused", student_layers=2, kd_stop_fraction=0.3).validate()
     cfg, keep = student_train_config(teacher, d, {"steps": 40})
-    assert keep == [0, 3] and cfg.n_layer == 2 and cfg.num_experts == [4]
-    assert cfg.moe_residual and cfg.steps == 40 and cfg.lr == 3e-3
+    assert keep == [0, 3] and cfg.model.n_layer == 2 and cfg.model.num_experts == [4]
+    assert cfg.moe.residual and cfg.steps == 40 and cfg.lr == 3e-3
     assert d.kd_steps(40) == 12 and d.kd_steps(0) == 0
     assert DistillConfig(teacher="x", student_layers=2, no_kd=True).kd_steps(40) == 0
     with pytest.raises(DistillError, match="--d-model cannot be set"):

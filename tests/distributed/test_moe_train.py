@@ -35,7 +35,7 @@ def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):
     cfg = build(cfg_dict)
     model = GPT(cfg.model_config())
     d = latest(src)
-    load_model_weights(d, read_manifest(d), model, rank, cfg.ep_size)
+    load_model_weights(d, read_manifest(d), model, rank, cfg.moe.ep_size)
     model.eval()
     x = torch.arange(2 * 32).reshape(2, 32) % 256
     with torch.no_grad():

@@ -38,7 +38,7 @@ def _params_body(rank: int, world: int, cfg_dict: dict):
     broadcast_params_(model)
     opt = make_optimizer(cfg, param_groups(model, cfg))
     corpus = load_corpus(cfg.data)
-    batches = TrainBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed, rank)
+    batches = TrainBatches(corpus.train, cfg.model.block_size, cfg.batch_size, cfg.seed, rank)
     losses = []
     for _ in range(cfg.steps):
         x, y = batches.next()

@@ -275,7 +275,7 @@ def quality(a: argparse.Namespace, models: dict[str, GPT]) -> dict[str, Any]:
 
     cfg = build(json.loads((Path(a.run) / "config.json").read_text()))
     corpus = load_corpus(cfg.data)
-    vb = val_batches(corpus.val, cfg.block_size, cfg.batch_size, a.eval_batches, cfg.seed)
+    vb = val_batches(corpus.val, cfg.model.block_size, cfg.batch_size, a.eval_batches, cfg.seed)
     out: dict[str, Any] = {}
     for fmt, m in models.items():
         out[fmt] = {"val_loss": val_loss(m, vb), "expert_bytes": expert_bytes(m)}

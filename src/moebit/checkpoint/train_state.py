@@ -105,7 +105,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
         write_manifest(d, {
             "step": step,
             "world_size": info.world_size,
-            "ep_size": cfg.ep_size if cfg.num_experts else 1,
+            "ep_size": cfg.moe.ep_size if cfg.moe else 1,
             "optimizer": cfg.optimizer,
             "model_config": cfg.model_config().to_dict(),
             "config": cfg.to_dict(),
@@ -143,7 +143,7 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         return None  # restarted before the first checkpoint: start over
     manifest = read_manifest(d)
     _check_model_config(manifest, cfg.model_config().to_dict(), d)
-    new_ep = cfg.ep_size if cfg.num_experts else 1
+    new_ep = cfg.moe.ep_size if cfg.moe else 1
     if manifest["world_size"] == info.world_size and manifest["ep_size"] == new_ep:
         verify(d, {"files": {shard_name(info.rank): manifest["files"][shard_name(info.rank)]}})
         shard = load_file(d / shard_name(info.rank))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterable
-from dataclasses import fields
-from typing import Any
+
+from moebit.config import flat_fields
 
 
 class UsageError(ValueError):
@@ -22,17 +22,25 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_dataclass_flags(group: Any, cls: type, skip: Iterable[str] = ()) -> None:
-    """One flag per field of ``cls`` (``n_layer`` becomes ``--n-layer``), values kept as strings
-    so the config's own checks convert them and name the key when they fail."""
+CONFIG_GROUPS = (("model", "model (also keys of --config)"),
+                 ("moe", "mixture of experts (used when --num-experts > 0)"),
+                 ("train", "training (also keys of --config)"))
+
+
+def add_config_flags(ap: argparse.ArgumentParser, skip: Iterable[str] = ()) -> None:
+    """One flag per flat config key (``n_layer`` becomes ``--n-layer``), grouped by the config
+    that owns it; values stay strings so the config's own checks convert them and name the
+    key when they fail."""
     skipped = set(skip)
-    for f in fields(cls):
-        if f.name in skipped:
-            continue
-        if f.type in ("bool", bool):
-            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction)
-        else:
-            group.add_argument(flag(f.name), metavar=f.name.upper())
+    for owner, title in CONFIG_GROUPS:
+        group = ap.add_argument_group(title)
+        for key, f in flat_fields(owner):
+            if key in skipped:
+                continue
+            if f.type in ("bool", bool):
+                group.add_argument(flag(key), action=argparse.BooleanOptionalAction)
+            else:
+                group.add_argument(flag(key), metavar=key.upper())
 
 
 def parse_known(ap: argparse.ArgumentParser, argv: list[str],

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moebit.checkpoint import write_text_atomic
-from moebit.cli.args import UsageError, add_dataclass_flags, parse_known, unknown_flag_error
+from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
 from moebit.cli.train import INTERNAL_FIELDS
 from moebit.config import TrainConfig
@@ -56,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     kd.add_argument("--teacher-dtype", choices=("bf16", "fp32"),
                     help="autocast dtype of the teacher's forward pass (default bf16)")
     add_launch_flags(ap)
-    tr = ap.add_argument_group("training (default: the teacher's settings)")
-    add_dataclass_flags(tr, TrainConfig, skip=(*INTERNAL_FIELDS, *FIXED_BY_TEACHER))
+    # Every other setting defaults to the teacher's; model shapes cannot change.
+    add_config_flags(ap, skip=(*INTERNAL_FIELDS, *FIXED_BY_TEACHER))
     return ap
 
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moebit.cli.args import UsageError, add_dataclass_flags, parse_known, unknown_flag_error
+from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
 from moebit.config import TrainConfig, build, load_file
 from moebit.data import check_path
@@ -30,8 +30,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="TOML or JSON file with the same settings as the flags")
     ap.add_argument("--resume", metavar="RUN",
                     help="continue RUN from its newest checkpoint (its config; flags override)")
-    add_dataclass_flags(ap.add_argument_group("training (also keys of --config)"), TrainConfig,
-                        skip=INTERNAL_FIELDS)
+    add_config_flags(ap, skip=INTERNAL_FIELDS)
     return ap
 
 

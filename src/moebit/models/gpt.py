@@ -13,7 +13,7 @@ standard MoE and Pyramid-Residual MoE are configurations of this one model.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -37,7 +37,9 @@ class GPTConfig:
     # list gives one count per MoE block (Pyramid MoE: more experts in later layers).
     num_experts: int | list[int] = 0
     moe_every: int = 2  # every moe_every-th block (the last of each group) is an MoE block
-    moe: dict[str, Any] = field(default_factory=dict)  # settings for moebit.moe.MoEConfig
+    # The settings every MoE block starts from (a dict of MoEConfig keys is accepted); each
+    # block takes its own expert count from num_experts. None (or {}) for a dense model.
+    moe: MoEConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.d_ffn == 0:
@@ -64,6 +66,21 @@ class GPTConfig:
                 raise ValueError(f"num_experts entries must be >= 1, got {self.num_experts}")
         elif self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        self.moe = self._moe_settings()
+
+    def _moe_settings(self) -> MoEConfig | None:
+        """The MoE blocks' shared MoEConfig, checked against every block's expert count."""
+        if not self.num_experts:
+            return None
+        counts = [self.experts_at(i) for i in self.moe_layers()]
+        moe = self.moe if self.moe is not None else {}
+        if isinstance(moe, MoEConfig):
+            moe = moe.to_dict()
+        settings = {k: v for k, v in moe.items() if k != "num_experts"}
+        template = MoEConfig.from_dict({**settings, "num_experts": counts[0]})
+        for c in counts[1:]:
+            template.replace(num_experts=c)  # validates (e.g. divisibility by ep_size)
+        return template
 
     @property
     def is_moe(self) -> bool:
@@ -143,8 +160,7 @@ class CausalSelfAttention(nn.Module):
 
 def moe_config_for(cfg: GPTConfig, layer: int) -> Any:
     """The ``moebit.moe.MoEConfig`` of block ``layer`` (its own expert count: Pyramid MoE)."""
-    settings = {**cfg.moe, "num_experts": cfg.experts_at(layer), "d_ffn": cfg.d_ffn}
-    return MoEConfig.from_dict(settings)
+    return cfg.moe.replace(num_experts=cfg.experts_at(layer), d_ffn=cfg.moe.d_ffn or cfg.d_ffn)
 
 
 def build_feed_forward(cfg: GPTConfig, layer: int, ep_groups: Any = None) -> nn.Module:
@@ -179,8 +195,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         # Expert-parallel process groups, made once (collectively) and shared by all layers.
         self.ep_groups = None
-        if cfg.is_moe and int(cfg.moe.get("ep_size", 1)) > 1:
-            self.ep_groups = expert_parallel_groups(int(cfg.moe["ep_size"]))
+        if cfg.moe is not None and cfg.moe.ep_size > 1:
+            self.ep_groups = expert_parallel_groups(cfg.moe.ep_size)
         self.blocks = nn.ModuleList(Block(cfg, i, self.ep_groups) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

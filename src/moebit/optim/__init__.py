@@ -10,6 +10,7 @@ averages its gradients.
 
 from moebit.optim.base import CompressedOptimizer
 from moebit.optim.build import (
+    EXACT_OPTIMIZERS,
     OptimizerSettings,
     build_optimizer,
     optimizer_from_deepspeed_config,
@@ -23,6 +24,7 @@ from moebit.optim.onebit_lamb import OnebitLamb
 from moebit.optim.zero_one_adam import ZeroOneAdam
 
 __all__ = [
+    "EXACT_OPTIMIZERS",
     "AutoFreeze",
     "CompressedOptimizer",
     "Lamb",

@@ -100,6 +100,10 @@ _REGISTRY: dict[str, Factory] = {
 }
 
 
+# Optimizers that average exact gradients every step: no freeze step, no 1-bit stage.
+EXACT_OPTIMIZERS = ("adam", "lamb")
+
+
 def register_optimizer(name: str, factory: Factory) -> None:
     """Add ``name`` -> ``factory(param_groups, settings: OptimizerSettings, **extra)``;
     ``extra`` holds the keyword arguments of ``build_optimizer`` beyond the settings."""
