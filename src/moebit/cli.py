@@ -26,6 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from moebit import tracking
 from moebit.config import ConfigError, TrainConfig, build, load_file
 
 LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
@@ -168,6 +169,7 @@ def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
     from moebit.data import check_path
 
     check_path(cfg.data)  # before anything is written or launched
+    tracking.require(cfg)
     check_rendezvous_port(launch)
     run_dir = prepare_run_dir(cfg)
     args = torchrun_args(launch, run_dir / "config.json")

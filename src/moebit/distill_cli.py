@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from moebit import tracking
 from moebit.cli import (
     INTERNAL_FIELDS,
     LAUNCH_FLAGS,
@@ -124,6 +125,7 @@ def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]
 
     from moebit.checkpoint import write_text_atomic
 
+    tracking.require(cfg)  # before the run folder is written
     run_dir = prepare_run_dir(cfg)
     write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
     args = torchrun_args(launch, run_dir / "config.json")
