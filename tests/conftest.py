@@ -23,3 +23,15 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
         dst.write_bytes(data)
         total += len(data)
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every ``cuda``-marked test, with the reason, where no CUDA device is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
