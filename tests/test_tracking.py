@@ -168,3 +168,20 @@ def test_wandb_offline_run_writes_its_files(tmp_path: Path):
     wb.log({"kind": "kd_stop", "step": 2, "reason": "done"})
     wb.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_a_resumed_run_replaces_the_steps_after_its_checkpoint(tmp_path: Path):
+    pytest.importorskip("tensorboard", reason=NEEDS_TB)
+    cfg = TrainConfig(tensorboard=True)
+    (first,) = tracking.open_trackers(cfg, tmp_path)
+    first.log({"kind": "start", "n_params": 10})
+    for step in (2, 4, 6):
+        first.log({"kind": "train", "step": step, "loss": float(step)})
+    first.close()  # a crash after step 6; the newest checkpoint is at step 3
+    (second,) = tracking.open_trackers(cfg, tmp_path)
+    second.log({"kind": "resume", "step": 3, "from": "checkpoints/step-00000003"})
+    for step in (4, 6):
+        second.log({"kind": "train", "step": step, "loss": -float(step)})
+    second.close()
+    loss = _read_events(tmp_path / "tensorboard").Scalars("train/loss")
+    assert [(e.step, e.value) for e in loss] == [(2, 2.0), (4, -4.0), (6, -6.0)]

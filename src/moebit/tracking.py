@@ -120,7 +120,12 @@ def tags_of(rec: dict[str, Any]) -> Tags:
 
 
 class TensorBoardTracker:
-    """Event files in ``RUN/tensorboard`` (``tensorboard --logdir RUN``)."""
+    """Event files in ``RUN/tensorboard`` (``tensorboard --logdir RUN``).
+
+    The writer opens at the first record: when that is a ``resume`` record, TensorBoard is
+    told to drop the earlier session's events from the resumed step on (``purge_step``),
+    as ``metrics.jsonl`` is trimmed back to the checkpoint, so no step shows twice.
+    """
 
     def __init__(self, log_dir: Path) -> None:
         try:  # optional extra: imported only when --tensorboard asks for it
@@ -131,9 +136,18 @@ class TensorBoardTracker:
                 f"({e}); install it with: {TRACK_EXTRA}"
             ) from None
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+        self._writer_cls = SummaryWriter
+        self.writer: Any = None
+
+    def _open(self, record: dict[str, Any]) -> Any:
+        if self.writer is None:
+            purge = record.get("step") if record.get("kind") == "resume" else None
+            self.writer = self._writer_cls(log_dir=str(self.log_dir), flush_secs=10,
+                                           purge_step=purge)
+        return self.writer
 
     def log(self, record: dict[str, Any]) -> None:
+        self._open(record)
         t = tags_of(record)
         for tag, v in t.scalars.items():
             self.writer.add_scalar(tag, v, t.step)
@@ -145,7 +159,8 @@ class TensorBoardTracker:
             self.writer.flush()  # events are rare and are what one looks for after a crash
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _add_load_histogram(writer: Any, tag: str, counts: list[int], step: int) -> None:
