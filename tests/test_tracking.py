@@ -185,3 +185,39 @@ def test_a_resumed_run_replaces_the_steps_after_its_checkpoint(tmp_path: Path):
     second.close()
     loss = _read_events(tmp_path / "tensorboard").Scalars("train/loss")
     assert [(e.step, e.value) for e in loss] == [(2, 2.0), (4, -4.0), (6, -6.0)]
+
+
+def _distill_body(rank: int, world: int, t_dict: dict, t_run: str, s_dict: dict, d_dict: dict,
+                  s_run: str):
+    from moebit.distill import DistillConfig, distill
+    from moebit.distributed import init_from_env
+    from moebit.train import _train
+
+    _train(build(t_dict), Path(t_run), init_from_env("cpu"))
+    Path(s_run).mkdir(parents=True, exist_ok=True)
+    return distill(build(s_dict), DistillConfig.from_dict(d_dict), Path(s_run), init_from_env("cpu"))
+
+
+def test_distillation_logs_kd_loss_and_the_kd_stop_event(small_corpus: Path, tmp_path: Path):
+    pytest.importorskip("tensorboard", reason=NEEDS_TB)
+    from moebit.distill import DistillConfig, student_train_config
+
+    t_cfg = build({"data": str(small_corpus), "n_layer": 2, "n_head": 2, "d_model": 32,
+                   "block_size": 32, "batch_size": 4, "steps": 4, "warmup_steps": 0,
+                   "eval_every": 100, "eval_batches": 1, "log_every": 2, "dtype": "fp32",
+                   "samples": 0, "threads": 1})
+    t_run, s_run = tmp_path / "teacher", tmp_path / "student"
+    t_run.mkdir()
+    (t_run / "config.json").write_text(json.dumps(t_cfg.to_dict()))
+    d = DistillConfig(teacher=str(t_run), student_layers=1, kd_stop_fraction=0.5,
+                      kd_stop_rule="fraction")
+    s_cfg, keep = student_train_config(t_cfg, d, {"steps": 4, "log_every": 1, "eval_every": 4,
+                                                  "tensorboard": True})
+    d.keep_layers = keep
+    run_on_ranks(_distill_body, 1, args=(t_cfg.to_dict(), str(t_run), s_cfg.to_dict(),
+                                         d.to_dict(), str(s_run)), timeout=120)
+    assert not (t_run / "tensorboard").exists()  # the teacher run did not ask for it
+    acc = _read_events(s_run / "tensorboard")
+    assert [e.step for e in acc.Scalars("train/kd_loss")] == [1, 2]  # KD for half of 4 steps
+    assert [e.step for e in acc.Scalars("events/kd_stop")] == [2]
+    assert "events/kd_stop/text_summary" in acc.Tags()["tensors"]
