@@ -166,6 +166,9 @@ def test_wandb_offline_run_writes_its_files(tmp_path: Path):
     (wb,) = tracking.open_trackers(TrainConfig(wandb=True), tmp_path)
     wb.log({"kind": "train", "step": 1, "loss": 2.0, "expert_load": [[3, 1]]})
     wb.log({"kind": "kd_stop", "step": 2, "reason": "done"})
+    wb.log({"kind": "eval", "step": 3, "val_loss": 1.5})  # W&B commits step 2 on a later step
+    assert {"train/loss", "moe/expert_load/block0", "events/kd_stop",
+            "events/kd_stop/text"} <= set(wb.run.summary.keys())
     wb.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 

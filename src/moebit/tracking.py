@@ -194,7 +194,7 @@ class WandbTracker:
             ) from None
         self.wandb = wandb
         self.run = wandb.init(project="moebit", name=run_dir.name, dir=str(run_dir),
-                              mode="offline", config=config, reinit=True)
+                              mode="offline", config=config)
         self._last_step = 0
 
     def log(self, record: dict[str, Any]) -> None:
@@ -205,8 +205,8 @@ class WandbTracker:
         for tag, counts in t.loads.items():
             edges = [i - 0.5 for i in range(len(counts) + 1)]
             row[tag] = self.wandb.Histogram(np_histogram=(counts, edges))
-        for tag, text in t.text.items():
-            row[tag] = self.wandb.Html(f"<pre>{html.escape(text)}</pre>")
+        for tag, text in t.text.items():  # beside the event's scalar of the same tag
+            row[f"{tag}/text"] = self.wandb.Html(f"<pre>{html.escape(text)}</pre>")
         if row:
             self.run.log(row, step=step)
 
