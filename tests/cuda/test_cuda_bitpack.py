@@ -23,6 +23,14 @@ def _signal(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def _assert_same_signs(got: torch.Tensor, want: torch.Tensor, values: torch.Tensor) -> None:
+    """Packed signs equal, except where the value is within rounding of zero: the two
+    paths may sum in another order, and there a last-bit difference flips the sign."""
+    n = values.numel()
+    differ = bitpack.unpack_scaled(got.cpu(), n) != bitpack.unpack_scaled(want, n)
+    assert bool((values[differ].abs() < 1e-5).all()), values[differ][:8]
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_pack_and_unpack_equal_cpu(n: int):
     x = _signal(n)
@@ -43,7 +51,7 @@ def test_worker_step_equals_cpu(n: int):
     sq_cpu = bitpack.feedback_step_(x, y_cpu, s, out_cpu)
     sq_gpu = bitpack.feedback_step_(x.cuda(), y_gpu, s, out_gpu)
     torch.testing.assert_close(y_gpu.cpu(), y_cpu, rtol=1e-6, atol=1e-7)
-    assert torch.equal(out_gpu.cpu(), out_cpu)
+    _assert_same_signs(out_gpu, out_cpu, y_cpu)
     assert sq_gpu == pytest.approx(sq_cpu, rel=1e-5)
     torch.testing.assert_close(bitpack.feedback_error(y_gpu, s).cpu(),
                                bitpack.feedback_error(y_cpu, s), rtol=1e-6, atol=1e-7)
@@ -61,7 +69,7 @@ def test_server_step_equals_cpu(n: int):
     t_cpu = bitpack.server_step_(rows, scales, n, z_cpu, 0.2, out_cpu)
     t_gpu = bitpack.server_step_(rows.cuda(), scales, n, z_gpu, 0.2, out_gpu)
     torch.testing.assert_close(z_gpu.cpu(), z_cpu, rtol=1e-6, atol=1e-6)
-    assert torch.equal(out_gpu.cpu(), out_cpu)
+    _assert_same_signs(out_gpu, out_cpu, z_cpu)
     assert t_gpu == pytest.approx(t_cpu, rel=1e-5)
     torch.testing.assert_close(bitpack.signs_weighted_sum(rows.cuda(), scales, n).cpu(),
                                bitpack.signs_weighted_sum(rows, scales, n))
