@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from moebit.data import stdlib_files
 
@@ -27,8 +28,6 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip every ``cuda``-marked test, with the reason, where no CUDA device is visible."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")

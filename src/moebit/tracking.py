@@ -236,8 +236,8 @@ def require(cfg: Any) -> None:
 def open_trackers(cfg: Any, run_dir: Path, rank: int = 0) -> list[Tracker]:
     """The trackers ``cfg`` asks for (``tensorboard`` / ``wandb`` fields); [] off rank 0.
 
-    Only rank 0 writes: every rank's records are the same numbers (rank 0 is the one
-    whose JSON lines are kept), and N writers would make N runs in the dashboard.
+    Only rank 0 writes: its records are the ones ``metrics.jsonl`` keeps, and N writers
+    would make N runs in the dashboard.
     """
     tb, wb = wanted(cfg)
     if rank != 0 or not (tb or wb):
