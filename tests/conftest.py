@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from moebit.data import stdlib_files
 
@@ -23,3 +24,13 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
         dst.write_bytes(data)
         total += len(data)
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every ``cuda``-marked test, with the reason, where no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

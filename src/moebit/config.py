@@ -62,6 +62,8 @@ class TrainConfig:
     threads: int = 0  # 0: the machine's cores divided by the ranks on this node
     run_dir: str | None = None
     samples: int = 2  # lines of generated text printed at the end
+    tensorboard: bool = False  # also write metrics as TensorBoard events in RUN/tensorboard
+    wandb: bool = False  # also log to Weights & Biases, offline, in RUN/wandb
     # checkpoints and faults
     save_every: int = 0  # 0: only the final checkpoint
     keep_checkpoints: int = 2

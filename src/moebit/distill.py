@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moebit import tracking
 from moebit.config import TrainConfig, build
 from moebit.models.gpt import GPT, GPTConfig
 
@@ -356,11 +357,13 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     t_dtype = "bf16" if dcfg.teacher_dtype == "bf16" else "fp32"
 
     log = (run_dir / "metrics.jsonl").open("a") if info.is_main else None
+    trackers = tracking.open_trackers(cfg, run_dir, info.rank)
 
     def emit(rec: dict[str, Any]) -> None:
         if log is not None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
+        tracking.log_record(trackers, rec)
 
     teacher_val = tr.evaluate(teacher, vbatches, t_dtype, info.device)
     teacher.eval()  # evaluate() leaves models in train mode
@@ -457,7 +460,8 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
                    "step_bytes_sent": d.bytes_sent / n, "step_bytes_recv": d.bytes_recv / n,
                    "comm_seconds_per_step": sum(o.seconds for o in d.ops.values()) / n,
                    "wall": time.perf_counter() - t_start, "train_time": train_time,
-                   "comm_stage": getattr(opt, "comm_stage", "exact")}
+                   "comm_stage": getattr(opt, "comm_stage", "exact"),
+                   "step_bytes_by_op": {k: o.bytes_sent / n for k, o in d.ops.items() if o.bytes_sent}}
             if win["n_kd"]:
                 rec["kd_loss"] = win["kd"] / win["n_kd"]
             if cfg.moe:
@@ -494,6 +498,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
         "val_vs_teacher": val_loss / teacher_val,
     }
     emit(summary)
+    tracking.close_trackers(trackers)
     if log is not None:
         log.close()
         from moebit.report import plot_runs

@@ -1,4 +1,4 @@
-"""Run a function on N real gloo ranks in spawned processes, with a hard timeout.
+"""Run a function on N real gloo (or NCCL) ranks in spawned processes, with a hard timeout.
 
 Used by the test suite (and usable by anyone testing code built on moebit): a hang
 fails after ``timeout`` seconds instead of blocking, and a failing rank's traceback
@@ -10,6 +10,10 @@ temporary folder, so concurrent runs never collide on a port.
         return result            # any picklable value; tensors are fine
 
     results = run_on_ranks(body, world=2, args=(3,), timeout=60)
+
+``backend="nccl"`` puts rank r on CUDA device r % device_count (set as the current
+device before the group starts): the body finds its device with
+``torch.device("cuda", torch.cuda.current_device())``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def _child(
     env: dict[str, str],
     out: Any,
     pg_timeout: float,
+    backend: str,
 ) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
@@ -47,12 +52,17 @@ def _child(
         import torch.distributed as dist
 
         torch.set_num_threads(int(env.get("MOEBIT_TEST_THREADS", "1")))
+        device = None
+        if backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),
+            device_id=device,
         )
         try:
             result = fn(rank, world, *args)
@@ -91,13 +101,16 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results by rank.
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return the results by rank.
 
     ``fn`` must be importable by name (defined at module level). Raises ``RankFailed``
     with the first failing rank's traceback, or ``TimeoutError`` if the ranks have not
     all finished within ``timeout`` seconds (all of them are then killed).
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = _context()
     out = ctx.Queue()
     results: dict[int, Any] = {}
@@ -106,7 +119,8 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world, init_file, tuple(args), dict(env or {}), out, timeout),
+                args=(fn, r, world, init_file, tuple(args), dict(env or {}), out, timeout,
+                      backend),
                 daemon=True,
             )
             for r in range(world)

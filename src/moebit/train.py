@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebit import tracking
 from moebit.checkpoint import train_state as ckpt_io
 from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, allreduce_mean_, broadcast_params_, init_from_env
@@ -250,11 +251,13 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         if resumed:
             ckpt_io.trim_metrics(run_dir / "metrics.jsonl", first_step)
         log = (run_dir / "metrics.jsonl").open("a")
+    trackers = tracking.open_trackers(cfg, run_dir, info.rank)
 
     def emit(rec: dict[str, Any]) -> None:
         if log is not None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
+        tracking.log_record(trackers, rec)
 
     if resumed:
         emit({"kind": "resume", "step": first_step, "from": str(resumed.path),
@@ -341,6 +344,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                 "wall": time.perf_counter() - t_start, "train_time": train_time,
                 "comm_stage": getattr(opt, "comm_stage", "exact"),
                 "collectives": d.calls,
+                "step_bytes_by_op": {k: o.bytes_sent / win_n for k, o in d.ops.items() if o.bytes_sent},
                 # Before clipping; the norm of the average while gradients are averaged
                 # exactly, of this rank's own gradient once a compressed optimizer froze.
                 "grad_norm": win_norm / win_n, "clipped_frac": win_clipped / win_n,
@@ -396,6 +400,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
         summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]
     emit(summary)
+    tracking.close_trackers(trackers)
     if log is not None:
         log.close()
     if info.is_main:

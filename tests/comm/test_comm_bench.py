@@ -57,3 +57,13 @@ def test_link_without_root_stops_with_a_clear_error(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
     assert comm.main(["--link", "fast"]) == 2
     assert "cannot read link rate" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_stops_before_any_rank(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert comm.main(["--device", "cuda", "--ranks", "2"]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    assert comm.main(["--backend", "nccl", "--ranks", "2"]) == 2
+    assert "--backend nccl needs --device cuda" in capsys.readouterr().err

@@ -3,6 +3,9 @@
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from moebit.bench import moe as bench_moe
 
 
@@ -19,3 +22,10 @@ def test_bench_moe_reports_every_implementation(tmp_path: Path) -> None:
         assert "error" not in r, r
         assert r["fwd_bwd_ms"] > 0 and r["fwd_ms"] > 0  # no ordering: one rep on a busy machine
         assert r["ratio_lower_bound"] > 0
+
+
+def test_bench_moe_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--device", "cuda"])
+    assert "no CUDA device is visible" in capsys.readouterr().err

@@ -18,6 +18,11 @@ table shows the median over repetitions, the bytes each rank sent per call (coun
 ``moebit.comm.stats``), and the speed-up over fp32 measured in the same run. ``--link RATE``
 runs all ranks in a private network namespace whose loopback is shaped to RATE
 (``moebit.bench.netns``; needs root).
+
+``--device cuda`` keeps every buffer on the rank's GPU (rank r on device r % count) and
+synchronizes before each time is taken. The backend is NCCL when there is a GPU per
+rank and gloo (on the same CUDA tensors) otherwise, as NCCL refuses two ranks on one GPU;
+``--backend`` overrides the choice. The table's header names the pair used.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link", default=None, help="shape loopback to this rate, e.g. 1gbit")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the buffers live (cuda: rank r on GPU r %% count)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl on CUDA with a GPU per rank, else gloo")
     p.add_argument("--bitpack", action="store_true",
                    help="only time sign packing/unpacking on one thread, in this process")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: result file
@@ -98,8 +107,13 @@ def _worker(args: argparse.Namespace) -> None:
     from moebit.comm.compressed import OnebitAllreduce
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = int(os.environ["WORLD_SIZE"])
+    dev, backend = _device_and_backend(args.device, args.backend, world,
+                                       int(os.environ.get("LOCAL_RANK", "0")))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
+    rank = dist.get_rank()
     results = []
     bar = None
     if rank == 0:
@@ -109,15 +123,16 @@ def _worker(args: argparse.Namespace) -> None:
                    file=sys.stderr, leave=True)
     for n in args.sizes:
         gen = torch.Generator().manual_seed(1000 + rank)
-        x = torch.randn(n, generator=gen)
+        x = torch.randn(n, generator=gen).to(dev)
         for method in args.methods:
             if bar is not None:
                 bar.set_postfix_str(f"n={n} {method}")
             step = _make_step(method, x, world)
-            times, per_call = _time(step, args.warmup, args.reps, stats, dist)
+            times, per_call = _time(step, args.warmup, args.reps, stats, dist, dev)
             if rank == 0:
                 results.append({
-                    "ranks": world, "size": n, "method": method,
+                    "ranks": world, "size": n, "method": method, "device": dev.type,
+                    "backend": backend,
                     "median_s": statistics.median(times), "min_s": min(times), "times_s": times,
                     "bytes_sent_per_rank": per_call,
                 })
@@ -133,18 +148,45 @@ def _worker(args: argparse.Namespace) -> None:
     _ = OnebitAllreduce  # imported above so a broken install fails before timing
 
 
-def _time(step, warmup: int, reps: int, stats, dist) -> tuple[list[float], float]:
+def _device_and_backend(device: str, backend: str, world: int, local_rank: int):
+    """This rank's device and the process-group backend for ``--device`` / ``--backend``."""
     import torch
 
+    if device == "cpu":
+        if backend == "nccl":
+            raise SystemExit("moebit bench comm: --backend nccl needs --device cuda")
+        return torch.device("cpu"), "gloo"
+    if not torch.cuda.is_available():
+        raise SystemExit("moebit bench comm: --device cuda, but no CUDA device is visible")
+    count = torch.cuda.device_count()
+    if backend == "auto":
+        backend = "nccl" if count >= world else "gloo"
+    return torch.device("cuda", local_rank % count), backend
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(step, warmup: int, reps: int, stats, dist, dev=None) -> tuple[list[float], float]:
+    import torch
+
+    dev = dev or torch.device("cpu")
     for _ in range(warmup):
         step()
+    _sync(dev)
     times = []
     before = stats.snapshot()
+    on = dev if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         step()
-        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        _sync(dev)
+        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=on)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # a rep ends when the slowest rank does
         times.append(float(mine))
     moved = stats.snapshot().minus(before)
@@ -161,7 +203,7 @@ def _make_step(method: str, x, world: int) -> Callable[[], None]:
     n = x.numel()
     if method in ("fp32", "fp16"):
         dtype = torch.float32 if method == "fp32" else torch.float16
-        buf = torch.empty(n, dtype=dtype)
+        buf = torch.empty(n, dtype=dtype, device=x.device)
         moved = stats.ring_allreduce_bytes(n * buf.element_size(), world)
 
         def step() -> None:
@@ -181,9 +223,10 @@ def _make_step(method: str, x, world: int) -> Callable[[], None]:
         return onebit
     if method == "onebit-wire":
         cb = padded_length(n, world) // world // 8
-        send = torch.randint(0, 256, (world, cb + 4), dtype=torch.uint8)
+        send = torch.randint(0, 256, (world, cb + 4), dtype=torch.uint8).to(x.device)
         recv, send2, recv2 = torch.empty_like(send), send[0].clone(), torch.empty_like(send)
-        mine, every = torch.tensor([n]), torch.empty(world, dtype=torch.int64)
+        mine = torch.tensor([n], device=x.device)
+        every = torch.empty(world, dtype=torch.int64, device=x.device)
         from moebit.comm.collectives import all_gather_flat
 
         def wire() -> None:
@@ -224,10 +267,11 @@ def _ddp_step(method: str, x, world: int) -> Callable[[], None]:
 
     rows, cols = _matrix_shape(x.numel())
     model = torch.nn.Module()
-    model.w = torch.nn.Parameter(torch.zeros(rows, cols))
+    model.w = torch.nn.Parameter(torch.zeros(rows, cols, device=x.device))
     model.forward = lambda g: Inject.apply(model.w, g)
     # The gradient is the bucket (no copies in and out): DDP overhead kept to a minimum.
-    ddp = DDP(model, bucket_cap_mb=x.numel() * 4 / 2**20 + 1, gradient_as_bucket_view=True)
+    ddp = DDP(model, bucket_cap_mb=x.numel() * 4 / 2**20 + 1, gradient_as_bucket_view=True,
+              device_ids=[x.device] if x.device.type == "cuda" else None)
     if method == "powersgd":
         rank_r = 1
         state = psgd.PowerSGDState(None, matrix_approximation_rank=rank_r,
@@ -269,7 +313,8 @@ def _launch(args: argparse.Namespace, world: int, out_file: str) -> None:
         "-m", "moebit.bench.comm",
         "--sizes", ",".join(str(s) for s in args.sizes), "--methods", ",".join(args.methods),
         "--reps", str(args.reps), "--warmup", str(args.warmup),
-        "--threads", str(args.threads), "--worker", out_file,
+        "--threads", str(args.threads), "--device", args.device, "--backend", args.backend,
+        "--worker", out_file,
     ]
     env = {"OMP_NUM_THREADS": str(args.threads)}
     if args.link:
@@ -374,6 +419,14 @@ def main(argv: list[str]) -> int:
         return 0
     if args.bitpack:
         return _bitpack_bench(args)
+    if args.device == "cuda" or args.backend == "nccl":
+        import torch
+
+        if args.device != "cuda" or not torch.cuda.is_available():
+            why = ("--backend nccl needs --device cuda" if args.device != "cuda"
+                   else "--device cuda, but no CUDA device is visible")
+            print(f"moebit bench comm: {why}", file=sys.stderr)
+            return 2
     if args.link:
         from moebit.bench.netns import ShapedLinkUnavailable, _require_tools, parse_rate
 
@@ -391,7 +444,9 @@ def main(argv: list[str]) -> int:
             with open(out_file) as f:
                 rows.extend(json.load(f))
     _add_ratios(rows)
-    print(f"link: {args.link or 'loopback (unshaped)'}, threads per rank: {args.threads}")
+    used = sorted({f"{r['device']}/{r['backend']}" for r in rows})
+    print(f"link: {args.link or 'loopback (unshaped)'}, threads per rank: {args.threads}, "
+          f"device/backend: {', '.join(used)}")
     print(format_table(rows))
     if args.json_path:
         doc = {

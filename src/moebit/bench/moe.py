@@ -32,6 +32,11 @@ forward+backward (Linux VmHWM, reset through /proc/self/clear_refs after releasi
 memory with malloc_trim). Gradients already
 are set to None before each step (as optimizer.zero_grad does), so the peak includes the
 weight gradients, activations and workspace.
+
+``--device cuda`` runs the same layers on the GPU: every timed call ends with
+``torch.cuda.synchronize()``, and peak memory is the growth of
+``torch.cuda.max_memory_allocated`` during one forward+backward. Threads then only
+matter for the host side. The peers (deepspeed, fairscale) stay CPU-only here.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def _ours(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
     from moebit.moe import MoE
 
     torch.manual_seed(0)
-    moe = MoE(spec["d_model"], _moe_config(spec)).to(x.dtype)
+    moe = MoE(spec["d_model"], _moe_config(spec)).to(device=x.device, dtype=x.dtype)
     return (lambda: [moe(x).hidden]), moe
 
 
@@ -215,13 +220,38 @@ def _fwd_bwd(step: Step, grads: dict[tuple[int, ...], torch.Tensor]) -> None:
     for o in outs:
         key = (*o.shape, int(o.dtype == torch.bfloat16))
         if key not in grads:
-            grads[key] = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o.dtype)
+            g = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+            grads[key] = g.to(device=o.device, dtype=o.dtype)
         gs.append(grads[key])
     torch.autograd.backward(outs, gs)
 
 
-def _peak_growth_mb(step: Step, grads: dict, zero: Callable[[], None]) -> float | None:
-    """Resident-set growth during one forward+backward (None where VmHWM cannot be reset)."""
+def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``fn`` and, on CUDA, a wait for its kernels: the time is the GPU's, not the launch's."""
+    if device.type != "cuda":
+        return fn
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+
+    return run
+
+
+def _peak_growth_mb(step: Step, grads: dict, zero: Callable[[], None],
+                    device: torch.device | None = None) -> float | None:
+    """Resident-set growth during one forward+backward (None where VmHWM cannot be reset);
+    on CUDA, the growth of the allocator's peak."""
+    if device is not None and device.type == "cuda":
+        zero()
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _fwd_bwd(step, grads)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        zero()
+        return (peak - base) / 2**20
     zero()
     _release_memory()
     try:
@@ -244,8 +274,10 @@ def run_config(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """
     torch.set_num_threads(spec["threads"])
     dtype = DTYPES[spec["dtype"]]
+    device = torch.device(spec.get("device", "cpu"))
     g = torch.Generator().manual_seed(42)
-    x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(dtype).requires_grad_(True)
+    x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(device=device, dtype=dtype)
+    x.requires_grad_(True)
     built: dict[str, tuple[Step, nn.Module]] = {}
     out: dict[str, dict[str, Any]] = {}
     for impl in spec["impls"]:
@@ -268,7 +300,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for phase in ("fwd", "fwd_bwd"):
         for rep in range(spec["warmup"] + spec["reps"]):
             for impl, (step, module) in list(built.items()):
-                fn = step if phase == "fwd" else fwd_bwd(step)
+                fn = _synced(step if phase == "fwd" else fwd_bwd(step), device)
                 try:
                     t0 = time.perf_counter()
                     fn()
@@ -287,7 +319,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "fwd_min_ms": 1e3 * min(fwd), "fwd_bwd_min_ms": 1e3 * min(fb),
             "fwd_all_ms": [round(1e3 * t, 1) for t in fwd],
             "fwd_bwd_all_ms": [round(1e3 * t, 1) for t in fb],
-            "peak_mem_mb": _peak_growth_mb(step, grads, zero(module)),
+            "peak_mem_mb": _peak_growth_mb(step, grads, zero(module), device),
             "params": sum(p.numel() for p in module.parameters()),
         }
     return out
@@ -324,6 +356,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the layers run (cuda: times end with a synchronize)")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds per (E, k, dtype) subprocess")
     p.add_argument("--json", default=None, help="write all results to this file")
@@ -335,6 +369,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     for name in a.dtypes:
         if name not in DTYPES:
             p.error(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    if a.device == "cuda" and a.worker is None and not torch.cuda.is_available():
+        p.error("--device cuda, but no CUDA device is visible")
     return a
 
 
@@ -349,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     results: list[dict[str, Any]] = []
+    where = torch.cuda.get_device_name() if a.device == "cuda" else platform.machine()
     print(f"# moebit bench moe: d_model {a.d_model}, d_ffn {a.d_ffn}, {a.tokens} tokens, "
-          f"cf {a.capacity_factor}, {a.threads} threads, median (min) of {a.reps}, "
-          f"implementations interleaved; torch {torch.__version__}, {platform.machine()}")
+          f"cf {a.capacity_factor}, {a.threads} threads, {a.device}, median (min) of {a.reps}, "
+          f"implementations interleaved; torch {torch.__version__}, {where}")
     print("E   k  dtype     impl             fwd ms        fwd+bwd ms      peak MB  "
           "fb/LB  fp32 LB/fb")
     fp32_lb: dict[tuple[int, int], float] = {}
@@ -361,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = {"impls": a.impls, "experts": e, "k": k, "dtype": dtype,
                         "tokens": a.tokens, "d_model": a.d_model, "d_ffn": a.d_ffn,
                         "cf": a.capacity_factor, "reps": a.reps, "warmup": a.warmup,
-                        "threads": a.threads}
+                        "threads": a.threads, "device": a.device}
                 by_impl = _spawn(spec, a.timeout)
                 lb = by_impl.get("lower_bound", {}).get("fwd_bwd_ms")
                 if dtype == "float32" and lb:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebit import tracking
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
@@ -99,6 +100,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
 
 def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]) -> Path:
     """Write the run folder and run the ranks through torch.distributed.run."""
+    tracking.require(cfg)  # before the run folder is written
     run_dir = prepare_run_dir(cfg)
     write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
     print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")

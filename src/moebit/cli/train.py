@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moebit import tracking
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
 from moebit.config import TrainConfig, build, load_file
@@ -58,6 +59,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
 def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
     """Run the ranks through torch.distributed.run; returns the run folder."""
     check_path(cfg.data)  # before anything is written or launched
+    tracking.require(cfg)
     run_dir = prepare_run_dir(cfg)
     print_run_folder(run_dir, "train")
     run_ranks(launch, "moebit.train", ["--resolved-config", str(run_dir / "config.json")],
