@@ -27,6 +27,10 @@ def test_every_moe_field_is_a_flag_that_reaches_the_layers():
     layer = next(m for m in GPT(cfg.model).modules() if isinstance(m, MoE))
     assert layer.config.num_experts == 4 and layer.config.k == 2 and layer.config.d_ffn == 48
     assert layer.config.noise == "jitter" and layer.config.min_capacity == 7
+    gated, _ = parse_train_args(["--num-experts", "4", "--expert-type", "swiglu", "--no-expert-bias",
+                                 "--num-shared-experts", "1", "--shared-expert-gate"])
+    assert (gated.moe.expert_type, gated.moe.expert_bias) == ("swiglu", False)
+    assert gated.moe.num_shared_experts == 1 and gated.moe.shared_expert_gate is True
     moe_keys = {f.name for f in fields(MoEConfig)} - {"num_experts", "residual", "d_ffn"}
     assert moe_keys <= set(FLAT_KEYS)
 

@@ -165,7 +165,7 @@ def _check_value(key: str, value: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table/object, got {value!r}")
         return value
-    if isinstance(proto, bool) or ann == "bool":
+    if isinstance(proto, bool) or ann.startswith("bool"):
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         if not isinstance(value, bool):

@@ -159,14 +159,11 @@ def moe_infer(moe: torch.nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
 
 
 def ffn_infer(ffn: torch.nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
-    """A block's feed-forward output for inference: MoE and Residual MoE through ``moe_infer``."""
+    """A block's feed-forward output for inference: MoE and Residual MoE through their ``infer``."""
     from moebit.moe import MoE, ResidualMoE
 
-    if isinstance(ffn, MoE):
-        return moe_infer(ffn, x_SD)
-    if isinstance(ffn, ResidualMoE):
-        c_S2 = torch.softmax(ffn.coef(x_SD), dim=-1)
-        return moe_infer(ffn.moe, x_SD) * c_S2[:, 0:1] + ffn.mlp(x_SD) * c_S2[:, 1:2]
+    if isinstance(ffn, (MoE, ResidualMoE)):
+        return ffn.infer(x_SD)  # routed experts plus shared experts / the residual mix
     out = ffn(x_SD)
     return out if isinstance(out, torch.Tensor) else out.hidden
 

@@ -29,3 +29,26 @@ def test_bench_moe_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys) -> N
     with pytest.raises(SystemExit):
         bench_moe.main(["--device", "cuda"])
     assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_bench_moe_swiglu_rows_and_ratios(tmp_path: Path) -> None:
+    """The SwiGLU rows, their floor and the HF peer (or its skip message) with the ratios."""
+    out = tmp_path / "moe.json"
+    impls = ("lower_bound_swiglu,moebit_swiglu,moebit_swiglu_loop,moebit_swiglu_padded,"
+             "moebit_swiglu_grouped,hf_eager,hf_grouped_mm,lower_bound,moebit,moebit_grouped")
+    rc = bench_moe.main(["--experts", "4", "--k", "2", "--dtypes", "float32", "--tokens", "64",
+                         "--d-model", "16", "--d-ffn", "32", "--d-ffn-gated", "24", "--reps", "1",
+                         "--threads", "1", "--impls", impls, "--timeout", "120",
+                         "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in data["results"]}
+    for impl in impls.split(","):
+        r = rows[impl]
+        if impl.startswith("hf_") and "error" in r:
+            assert "transformers is not importable" in r["error"]  # optional peer, skipped
+            continue
+        assert "error" not in r, r
+        assert r["fwd_bwd_ms"] > 0 and r["ratio_lower_bound"] > 0
+    ratios = data["ratios"][0]
+    assert ratios["swiglu_over_floor"] > 0 and ratios["moebit_swiglu_auto_over_best_kernel"] > 0

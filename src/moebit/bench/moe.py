@@ -10,14 +10,18 @@ Implementations, all on the same input, d_model 512, d_ffn 2048, 4096 tokens by 
   tensors, with separate per-expert weights. No dispatch, no combine.
 - ``moebit``: ``moebit.moe.MoE`` (sort-based dispatch, batched experts; its default
   ``kernel="auto"`` runs near-equal expert blocks as padded batched matmuls).
-- ``moebit_loop``: the same layer forced to one matmul per expert (``kernel="loop"``), to
-  show what the padded path buys.
+- ``moebit_loop`` / ``moebit_padded`` / ``moebit_grouped``: the same layer with each expert
+  kernel forced, to check what ``kernel="auto"`` picks against the best of them.
 - ``onehot_baseline``: THE BASELINE, not our code path: the GShard one-hot dispatch, a
   [S, E, C] dispatch and combine tensor and two einsums (DeepSpeed's method until 2025),
   with the same router and expert weights.
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` if importable (optional extra), one gloo rank.
 - ``fairscale``: ``fairscale.nn.MOELayer`` + ``Top2Gate`` if importable (top-2 only; its
   capacity is fixed at 2S/E and its second expert is sampled with Gumbel noise).
+- SwiGLU experts, their floor and Hugging Face's ``MixtralSparseMoeBlock`` (eager and
+  grouped_mm): dropless, at ``--d-ffn-gated``; see ``moebit.bench.moe_gated``. After each
+  (E, k, dtype) a ``ratios`` line gives our SwiGLU layer over its floor, HF grouped_mm over
+  our layer, and each auto kernel over the best forced kernel.
 
 Capacity settings are equal: capacity_factor (default 1.0) for train and eval,
 min_capacity 4, overflow dropped, position priority (DeepSpeed: use_rts=False,
@@ -58,7 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IMPLS = ("lower_bound", "moebit", "moebit_loop", "onehot_baseline", "deepspeed", "fairscale")
+from moebit.bench.moe_gated import FLOOR_OF, GATED_BUILDERS, GATED_IMPLS, summarize
+
+IMPLS = ("lower_bound", "moebit", "moebit_loop", "moebit_padded", "moebit_grouped",
+         "onehot_baseline", "deepspeed", "fairscale", *GATED_IMPLS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Step = Callable[[], list[torch.Tensor]]  # runs a forward, returns the outputs to backprop
@@ -82,10 +89,12 @@ def _ours(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
     return (lambda: [moe(x).hidden]), moe
 
 
-def _ours_loop(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
-    step, moe = _ours(spec, x)
-    moe.experts.kernel = "loop"
-    return step, moe
+def _ours_kernel(kernel: str) -> Callable[..., tuple[Step, nn.Module]]:
+    def build(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
+        step, moe = _ours(spec, x)
+        moe.experts.kernel = kernel
+        return step, moe
+    return build
 
 
 def _lower_bound(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
@@ -196,9 +205,10 @@ def _fairscale(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
     return (lambda: [layer(x3)]), layer
 
 
-BUILDERS = {"lower_bound": _lower_bound, "moebit": _ours, "moebit_loop": _ours_loop,
+BUILDERS = {"lower_bound": _lower_bound, "moebit": _ours, "moebit_loop": _ours_kernel("loop"),
+            "moebit_padded": _ours_kernel("padded"), "moebit_grouped": _ours_kernel("grouped"),
             "onehot_baseline": _onehot_baseline,
-            "deepspeed": _deepspeed, "fairscale": _fairscale}
+            "deepspeed": _deepspeed, "fairscale": _fairscale, **GATED_BUILDERS}
 
 
 def _rss_kib(key: str) -> int:
@@ -352,6 +362,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--d-ffn", type=int, default=2048)
+    p.add_argument("--d-ffn-gated", type=int, default=1360,
+                   help="expert width of the SwiGLU rows (1360: the FLOPs of GELU at 2048)")
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -385,11 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     results: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
     where = torch.cuda.get_device_name() if a.device == "cuda" else platform.machine()
     print(f"# moebit bench moe: d_model {a.d_model}, d_ffn {a.d_ffn}, {a.tokens} tokens, "
           f"cf {a.capacity_factor}, {a.threads} threads, {a.device}, median (min) of {a.reps}, "
           f"implementations interleaved; torch {torch.__version__}, {where}")
-    print("E   k  dtype     impl             fwd ms        fwd+bwd ms      peak MB  "
+    print("E   k  dtype     impl                    fwd ms        fwd+bwd ms      peak MB  "
           "fb/LB  fp32 LB/fb")
     fp32_lb: dict[tuple[int, int], float] = {}
     for dtype in sorted(a.dtypes, key=lambda d: d != "float32"):
@@ -397,34 +410,44 @@ def main(argv: list[str] | None = None) -> int:
             for k in a.k:
                 spec = {"impls": a.impls, "experts": e, "k": k, "dtype": dtype,
                         "tokens": a.tokens, "d_model": a.d_model, "d_ffn": a.d_ffn,
+                        "d_ffn_gated": a.d_ffn_gated,
                         "cf": a.capacity_factor, "reps": a.reps, "warmup": a.warmup,
                         "threads": a.threads, "device": a.device}
                 by_impl = _spawn(spec, a.timeout)
-                lb = by_impl.get("lower_bound", {}).get("fwd_bwd_ms")
-                if dtype == "float32" and lb:
-                    fp32_lb[(e, k)] = lb
+                for floor in {"lower_bound", *FLOOR_OF.values()}:
+                    lb = by_impl.get(floor, {}).get("fwd_bwd_ms")
+                    if dtype == "float32" and lb:
+                        fp32_lb[(e, k, floor)] = lb
                 for impl in a.impls:
+                    floor = FLOOR_OF.get(impl, "lower_bound")
+                    lb = by_impl.get(floor, {}).get("fwd_bwd_ms")
                     r = {**{k2: v for k2, v in spec.items() if k2 != "impls"}, "impl": impl,
                          **by_impl.get(impl, {"error": "no result"})}
                     results.append(r)
                     if "error" in r:
-                        print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s}  skipped: {r['error']}",
+                        print(f"{e:<3d} {k}  {dtype:<9s} {impl:<22s}  skipped: {r['error']}",
                               flush=True)
                         continue
                     fb = r["fwd_bwd_ms"]
                     r["ratio_lower_bound"] = fb / lb if lb else None
-                    base = fp32_lb.get((e, k))
+                    base = fp32_lb.get((e, k, floor))
                     r["speedup_vs_fp32_lower_bound"] = base / fb if base else None
-                    print(f"{e:<3d} {k}  {dtype:<9s} {impl:<15s} "
+                    print(f"{e:<3d} {k}  {dtype:<9s} {impl:<22s} "
                           f"{r['fwd_ms']:6.0f} ({r['fwd_min_ms']:5.0f}) "
                           f"{fb:7.0f} ({r['fwd_bwd_min_ms']:6.0f}) "
                           f"{_fmt(r['peak_mem_mb']):>8s}  "
                           f"{_fmt(r['ratio_lower_bound'], 2):>5s}  "
                           f"{_fmt(r['speedup_vs_fp32_lower_bound'], 2):>10s}", flush=True)
+                ratios = summarize(by_impl)
+                summaries.append({"experts": e, "k": k, "dtype": dtype, **ratios})
+                if ratios:
+                    print(f"{e:<3d} {k}  {dtype:<9s} ratios: "
+                          + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "worker"},
-                       "torch": torch.__version__, "results": results}, f, indent=1)
+                       "torch": torch.__version__, "results": results,
+                       "ratios": summaries}, f, indent=1)
     return 0
 
 

@@ -37,7 +37,7 @@ def add_config_flags(ap: argparse.ArgumentParser, skip: Iterable[str] = ()) -> N
         for key, f in flat_fields(owner):
             if key in skipped:
                 continue
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 group.add_argument(flag(key), action=argparse.BooleanOptionalAction)
             else:
                 group.add_argument(flag(key), metavar=key.upper())

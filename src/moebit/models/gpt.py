@@ -166,7 +166,7 @@ def moe_config_for(cfg: GPTConfig, layer: int) -> Any:
 def build_feed_forward(cfg: GPTConfig, layer: int, ep_groups: Any = None) -> nn.Module:
     """The dense MLP, or an MoE layer (Residual when configured) for ``cfg.moe_layers()``."""
     if cfg.experts_at(layer) == 0:
-        return MLP(cfg.d_model, cfg.d_ffn, cfg.dropout)
+        return MLP(cfg.d_model, cfg.d_ffn, dropout=cfg.dropout)
     return build_moe(cfg.d_model, moe_config_for(cfg, layer), ep_groups)
 
 

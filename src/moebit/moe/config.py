@@ -16,6 +16,8 @@ from typing import Any
 
 DROP_POLICIES = ("position", "random")
 NOISE_POLICIES = ("none", "jitter", "rsample")
+EXPERT_TYPES = ("gelu_mlp", "swiglu", "geglu")  # gated types: down(act(x W_gate) * (x W_up))
+KERNELS = ("auto", "loop", "padded", "grouped")
 
 # DeepSpeed (deepspeed.moe.layer.MoE) and other common spellings -> our field names.
 _ALIASES = {
@@ -31,6 +33,10 @@ _ALIASES = {
     "ffn_hidden_size": "d_ffn",
     "moe_intermediate_size": "d_ffn",
     "norm_topk_prob": "normalize_topk_weights",
+    # expert blocks (Megatron-Core, DeepSeek and Qwen spellings)
+    "n_shared_experts": "num_shared_experts",
+    "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "moe_shared_expert_gate": "shared_expert_gate",
 }
 
 
@@ -56,6 +62,19 @@ class MoEConfig:
     residual: Residual MoE (a dense MLP beside the MoE, mixed per token).
     ep_size: expert-parallel ranks sharing the E experts (E % ep_size == 0).
     d_ffn: hidden size of each expert's MLP; None means 4 * d_model.
+
+    Expert blocks (docs/moe.md):
+    expert_type: "gelu_mlp" (Linear, GELU, Linear), "swiglu" or "geglu" (the gated
+        ``down(act(x W_gate) * (x W_up))`` with SiLU or GELU). Also the shared experts' type.
+    expert_bias: biases on the expert projections; None means the type's default (True for
+        "gelu_mlp", False for gated types, which have none: True with them is an error).
+    num_shared_experts: dense experts every token passes through, summed with the routed
+        output (DeepSeek ``n_shared_experts``; run as one MLP of the summed width).
+    shared_expert_intermediate_size: width of that MLP; 0 means ``d_ffn * num_shared_experts``
+        (Qwen2-MoE / Megatron name it so).
+    shared_expert_gate: Qwen2-MoE's per-token ``sigmoid(Linear(d, 1))`` factor on it.
+    kernel: how the routed experts run: "loop", "padded", "grouped" (torch grouped_mm) or
+        "auto" (chosen per call from measured rules, see ``moebit.moe.experts``).
     """
 
     num_experts: int = 8
@@ -72,6 +91,13 @@ class MoEConfig:
     residual: bool = False
     ep_size: int = 1
     d_ffn: int | None = None
+    # expert blocks: keep these together (routing keys live in their own block)
+    expert_type: str = "gelu_mlp"
+    expert_bias: bool | None = None
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +145,55 @@ class MoEConfig:
                 raise ValueError(f"{name} must be >= 0, got {v!r}")
         if self.d_ffn is not None and (not isinstance(self.d_ffn, int) or self.d_ffn < 1):
             raise ValueError(f"d_ffn must be a positive int or None, got {self.d_ffn!r}")
+        self._validate_expert_block()
+
+    def _validate_expert_block(self) -> None:
+        if self.expert_type not in EXPERT_TYPES:
+            raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}")
+        if self.expert_bias not in (None, True, False):
+            raise ValueError(f"expert_bias must be a bool or None, got {self.expert_bias!r}")
+        if self.expert_bias and self.gated:
+            raise ValueError(
+                f"expert_bias = True with expert_type = {self.expert_type!r}: gated experts "
+                "have no biases (set expert_bias to False or None)"
+            )
+        n = self.num_shared_experts
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got {n!r}")
+        w = self.shared_expert_intermediate_size
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {w!r}")
+        if w and not n and not self.residual:
+            raise ValueError(
+                f"shared_expert_intermediate_size = {w} but num_shared_experts = 0: "
+                "there is no shared expert to size"
+            )
+        if self.shared_expert_gate not in (True, False):
+            raise ValueError(f"shared_expert_gate must be a bool, got {self.shared_expert_gate!r}")
+        if self.shared_expert_gate and not n and not self.residual:
+            raise ValueError("shared_expert_gate = True needs num_shared_experts >= 1")
+        if self.residual and (n > 1 or self.shared_expert_gate):
+            raise ValueError(
+                "residual = True is Residual MoE: one shared expert mixed with the routed "
+                "output by a learned two-way softmax; it cannot take num_shared_experts > 1 "
+                "or shared_expert_gate (shared experts summed with the routed output)"
+            )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def gated(self) -> bool:
+        return self.expert_type != "gelu_mlp"
+
+    @property
+    def has_expert_bias(self) -> bool:
+        return (not self.gated) if self.expert_bias is None else bool(self.expert_bias)
+
+    def shared_ffn_size(self, d_model: int) -> int:
+        """Width of the shared-expert MLP (Residual MoE's dense MLP: one expert's width)."""
+        if self.shared_expert_intermediate_size:
+            return self.shared_expert_intermediate_size
+        return self.ffn_size(d_model) * max(self.num_shared_experts, 1)
 
     def ffn_size(self, d_model: int) -> int:
         return self.d_ffn if self.d_ffn is not None else 4 * d_model
@@ -156,10 +231,15 @@ class MoEConfig:
                 put("drop_policy", "random" if value else "position", key)
             elif key == "noisy_gate_policy":
                 put("noise", _noise_from_deepspeed(value), key)
+            elif key == "moe_grouped_gemm":  # Megatron-Core: grouped GEMM or SequentialMLP
+                put("kernel", "grouped" if value else "loop", key)
             else:
-                known = sorted(fields | set(_ALIASES) | {"use_rts", "noisy_gate_policy"})
+                known = sorted(fields | set(_ALIASES) | _SPECIAL_KEYS)
                 raise ValueError(f"unknown MoE config key {key!r}; known keys: {', '.join(known)}")
         return cls(**out)
+
+
+_SPECIAL_KEYS = {"use_rts", "noisy_gate_policy", "moe_grouped_gemm"}
 
 
 def _noise_from_deepspeed(value: Any) -> str:
