@@ -22,6 +22,13 @@ else:  # pragma: no cover - Python 3.10
 OPTIMIZERS = ("adam", "onebit_adam", "zero_one_adam", "onebit_lamb", "lamb")
 
 
+ROUTING_DEFAULTS: dict[str, Any] = {
+    "scoring_func": "softmax", "softmax_before_topk": True, "norm_topk_prob": True,
+    "n_group": 1, "topk_group": None, "routed_scaling_factor": 1.0, "bias_update_speed": 0.0,
+    "seq_aux": False,
+}
+
+
 class ConfigError(ValueError):
     """A setting is unknown or out of range; the message names it."""
 
@@ -46,6 +53,15 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     ep_size: int = 1
+    # MoE routing (docs/moe.md; 0 topk_group = every group)
+    scoring_func: str = "softmax"
+    softmax_before_topk: bool = True
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 0.0
+    seq_aux: bool = False
     # data
     data: str | None = None
     batch_size: int = 16
@@ -90,6 +106,7 @@ class TrainConfig:
             "router_z_loss_coef": self.router_z_loss_coef,
             "ep_size": self.ep_size,
         }
+        moe.update(self._routing_settings())
         return GPTConfig(
             block_size=self.block_size,
             n_layer=self.n_layer,
@@ -101,6 +118,14 @@ class TrainConfig:
             moe_every=self.moe_every,
             moe=moe if self.num_experts else {},
         )
+
+    def _routing_settings(self) -> dict[str, Any]:
+        """The routing keys that differ from the default router: the model config (and the
+        manifest of every checkpoint) of a run that uses none stays as it was, so older
+        checkpoints still resume."""
+        now = {k: getattr(self, k) for k in ROUTING_DEFAULTS}
+        now["topk_group"] = now["topk_group"] or None
+        return {k: v for k, v in now.items() if v != ROUTING_DEFAULTS[k]}
 
     def resolved_freeze_step(self) -> int | str | None:
         if self.optimizer in ("adam", "lamb"):

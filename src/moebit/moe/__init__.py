@@ -5,6 +5,7 @@
     out = moe(x_BTD)                  # out.hidden, out.aux_loss, out.z_loss, out.stats
 """
 
+from moebit.moe.balance import biased_gates, load_imbalance, router_metrics, update_router_biases_
 from moebit.moe.config import MoEConfig
 from moebit.moe.dispatch import DispatchPlan, permute, plan_dispatch, unpermute
 from moebit.moe.experts import Experts
@@ -13,9 +14,11 @@ from moebit.moe.gate import (
     RoutingStats,
     TopKGate,
     compute_capacity,
+    group_limited_mask,
     load_balancing_loss,
     router_z_loss,
     select_kept,
+    seq_load_balancing_loss,
 )
 from moebit.moe.layer import MLP, MoE, MoEOutput, ResidualMoE, build_moe
 from moebit.moe.parallel import (
@@ -34,4 +37,7 @@ __all__ = [
     "build_moe", "compute_capacity", "expert_parallel_apply", "expert_parallel_groups",
     "is_expert_param", "load_balancing_loss", "permute", "plan_dispatch", "router_z_loss",
     "select_kept", "split_params_for_ep", "unpermute",
+    # routing: DeepSeek-V3 groups, sequence-wise loss, aux-loss-free balancing
+    "biased_gates", "group_limited_mask", "load_imbalance", "router_metrics",
+    "seq_load_balancing_loss", "update_router_biases_",
 ]
