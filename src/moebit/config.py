@@ -12,7 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from moebit.models.gpt import GPTConfig
+from moebit.models.gpt import GPTConfig, moe_config_for
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -221,8 +221,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
     if isinstance(cfg.freeze_step, int):
         need(cfg.freeze_step >= 1, "freeze_step", "must be >= 1 (at least one exact step) or 'auto'")
+    need(cfg.topk_group >= 0, "topk_group", "must be >= 0 (0 keeps every group)")
     try:
-        cfg.model_config()
+        model = cfg.model_config()
+        for layer in model.moe_layers():  # MoE settings fail here, not on every rank
+            moe_config_for(model, layer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return cfg
