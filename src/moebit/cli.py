@@ -8,6 +8,7 @@
     moebit generate runs/a --prompt "def "              # text from a trained run
     moebit eval runs/a runs/b                           # val loss on the whole split
     moebit distill --teacher runs/a --student-layers 3  # Mixture-of-Students
+    moebit upcycle runs/a --num-experts 8 --run-dir runs/a-moe   # dense -> MoE
     moebit demo                                         # the guided tour
 
 Ranks are launched by torch.distributed.run (torchrun); this process only validates the
@@ -247,7 +248,8 @@ def cmd_distill(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "report": cmd_report, "bench": cmd_bench, "demo": cmd_demo,
-            "generate": cmd_generate, "eval": cmd_eval, "distill": cmd_distill}
+            "generate": cmd_generate, "eval": cmd_eval, "distill": cmd_distill,
+            "upcycle": lambda argv: importlib.import_module("moebit.upcycle_cli").main(argv)}
 
 
 def main(argv: list[str] | None = None) -> int:
