@@ -53,7 +53,7 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     ep_size: int = 1
-    # MoE routing (docs/moe.md; 0 topk_group = every group)
+    # MoE routing (docs/moe-routing.md; 0 topk_group = every group)
     scoring_func: str = "softmax"
     softmax_before_topk: bool = True
     norm_topk_prob: bool = True

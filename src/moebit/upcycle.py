@@ -170,7 +170,7 @@ def upcycle(run: str | Path, out: str | Path, num_experts: int | list[int], *,
     if not weights_sum_to_one(gcfg):
         warnings.warn("upcycle: the top-k gate weights do not sum to 1 (k = 1 with softmax "
                       "before top-k, or routed_scaling_factor != 1): the MoE blocks start at a "
-                      "fraction of the dense output; see docs/moe.md", stacklevel=2)
+                      "fraction of the dense output; see docs/moe-routing.md", stacklevel=2)
     verify(d, manifest)
     shards = [load_file(d / shard_name(r)) for r in range(manifest["world_size"])]
     state = upcycle_state_dict(shards[0]["model"], gcfg, noise_std=noise_std,

@@ -8,7 +8,7 @@
 Every expert starts as a copy of its block's dense MLP, the router near zero; the new run
 folder holds config.json and a complete checkpoint at the dense run's step with a fresh
 optimizer state. With k >= 2 (norm_topk_prob) or softmax_before_topk=false and no
-dropped tokens, the upcycled model computes what the dense one did (docs/moe.md).
+dropped tokens, the upcycled model computes what the dense one did (docs/moe-routing.md).
 """
 
 from __future__ import annotations

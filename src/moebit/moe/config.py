@@ -70,7 +70,7 @@ class MoEConfig:
     ep_size: expert-parallel ranks sharing the E experts (E % ep_size == 0).
     d_ffn: hidden size of each expert's MLP; None means 4 * d_model.
 
-    Routing (docs/moe.md), defaults = the GShard/Switch router above:
+    Routing (docs/moe-routing.md), defaults = the GShard/Switch router above:
     scoring_func: "softmax" or "sigmoid" (DeepSeek-V3) expert scores.
     softmax_before_topk: softmax over all E then top-k (default); False picks the top-k
         logits and softmaxes over those k (Mixtral, Megatron's default): the k weights then
