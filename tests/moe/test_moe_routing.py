@@ -239,3 +239,19 @@ def test_megatron_and_deepseek_aliases() -> None:
     assert c.norm_topk_prob is False
     with pytest.raises(ValueError, match="twice"):
         MoEConfig.from_dict({"n_group": 2, "moe_router_num_groups": 2})
+
+
+def test_train_config_keys_reach_the_layers_and_defaults_leave_the_model_config_alone() -> None:
+    from moebit.config import ConfigError, build
+    from moebit.models.gpt import moe_config_for
+
+    plain = build({"num_experts": 8}).model_config()
+    assert not {"scoring_func", "n_group", "bias_update_speed"} & set(plain.moe)  # old manifests
+    cfg = build({"num_experts": 8, "num_experts_per_tok": 2, "scoring_func": "sigmoid",
+                 "norm_topk_prob": "false", "n_group": 4, "topk_group": 2,
+                 "routed_scaling_factor": 2.5, "bias_update_speed": 1e-3, "seq_aux": True})
+    m = moe_config_for(cfg.model_config(), 1)
+    assert (m.scoring_func, m.norm_topk_prob, m.n_group, m.topk_group) == ("sigmoid", False, 4, 2)
+    assert (m.routed_scaling_factor, m.bias_update_speed, m.seq_aux) == (2.5, 1e-3, True)
+    with pytest.raises(ConfigError, match="topk_group"):
+        build({"num_experts": 8, "n_group": 2, "topk_group": 3})
