@@ -188,23 +188,28 @@ def upcycle(run: str | Path, out: str | Path, num_experts: int | list[int], *,
         save_atomic(_fresh_shard(model, cfg, shard, state), path)
         files[shard_name(r)] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     write_text_atomic(json.dumps(cfg.to_dict(), indent=2) + "\n", out / "config.json")
-    _copy_metrics(d.parent.parent / "metrics.jsonl", out / "metrics.jsonl", step,
+    sizes = {"n_params": model.num_params(), "n_expert_params": model.num_expert_params()}
+    _copy_metrics(d.parent.parent / "metrics.jsonl", out / "metrics.jsonl", step, sizes,
                   {"kind": "upcycle", "step": step, "from": str(d), "num_experts": num_experts,
-                   "noise_std": noise_std, "router_std": router_std,
-                   "n_params": model.num_params()})
+                   "noise_std": noise_std, "router_std": router_std, **sizes})
     write_manifest(new, {"step": step, "world_size": manifest["world_size"], "ep_size": 1,
                          "optimizer": cfg.optimizer, "model_config": gcfg.to_dict(),
                          "config": cfg.to_dict(), "files": files, "upcycled_from": str(d)})
     return new
 
 
-def _copy_metrics(src: Path, dst: Path, step: int, record: dict[str, Any]) -> None:
-    """The dense run's records up to ``step`` (its curve), then the upcycling record."""
+def _copy_metrics(src: Path, dst: Path, step: int, sizes: dict[str, int],
+                  record: dict[str, Any]) -> None:
+    """The dense run's records up to ``step`` (its curve), then the upcycling record; the
+    start record gets the MoE model's sizes (``moebit report`` reads them there)."""
     lines = []
     if src.is_file():
         for line in src.read_text().splitlines():
             if line.strip():
                 rec = json.loads(line)
+                if rec.get("kind") == "start":
+                    rec = {**rec, "dense_n_params": rec.get("n_params"), **sizes}
+                    line = json.dumps(rec)
                 if rec.get("kind") != "end" and rec.get("step", 0) <= step:
                     lines.append(line)
     lines.append(json.dumps(record))

@@ -111,3 +111,6 @@ def test_upcycled_run_resumes_from_the_dense_loss(small_corpus: Path, tmp_path: 
     assert abs(after[35] - dense_last) < 0.3 and after[35] < 5.0
     shard = torch.load(up / "checkpoints/step-00000040/rank-00000.pt", weights_only=True)
     assert "blocks.1.ffn.experts.w1" in shard["model"]
+    start = json.loads((up / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "start" and start["n_expert_params"] > 0
+    assert start["dense_n_params"] < start["n_params"]
