@@ -255,3 +255,18 @@ def test_train_config_keys_reach_the_layers_and_defaults_leave_the_model_config_
     assert (m.routed_scaling_factor, m.bias_update_speed, m.seq_aux) == (2.5, 1e-3, True)
     with pytest.raises(ConfigError, match="topk_group"):
         build({"num_experts": 8, "n_group": 2, "topk_group": 3})
+
+
+def test_rsample_noise_picks_but_weights_stay_plain_scores() -> None:
+    torch.manual_seed(0)
+    gate = TopKGate(6, MoEConfig(num_experts=8, num_experts_per_tok=3, scoring_func="sigmoid",
+                                 noise="rsample", normalize_topk_weights=False,
+                                 bias_update_speed=1e-3, n_group=4, topk_group=2))
+    x = torch.randn(200, 6)
+    r = gate(x)
+    s = torch.sigmoid(x @ gate.router.weight.t())
+    assert torch.allclose(r.weight_SK, s.gather(1, r.expert_SK))
+    gate.eval()  # no noise: the plain top-k inside the kept groups
+    assert not torch.equal(gate(x).expert_SK, r.expert_SK)
+    groups = r.expert_SK // 2  # 3 experts, yet at most 2 groups per token, noise or not
+    assert all(len(set(g)) <= 2 for g in groups.tolist())
