@@ -30,7 +30,7 @@ from moebit.comm.collectives import DistInfo, allreduce_mean_, broadcast_params_
 from moebit.config import TrainConfig, build
 from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
 from moebit.models.gpt import GPT
-from moebit.moe import is_expert_param, split_params_for_ep
+from moebit.moe import is_expert_param, router_metrics, split_params_for_ep, update_router_biases_
 
 SAMPLE_PROMPTS = ["def ", "import ", "class ", "    return "]
 
@@ -153,6 +153,7 @@ def moe_metrics(ffn_outputs: list[Any]) -> dict[str, Any]:
     """Aux loss, drop rate and expert load of the MoE blocks of one forward pass."""
     out: dict[str, Any] = {}
     loads, drops = [], []
+    all_stats = [o.stats for o in ffn_outputs if getattr(o, "stats", None) is not None]
     for o in ffn_outputs:
         st = getattr(o, "stats", None)
         if st is None:
@@ -162,6 +163,7 @@ def moe_metrics(ffn_outputs: list[Any]) -> dict[str, Any]:
     if loads:
         out["drop_rate"] = sum(drops) / len(drops)
         out["expert_load"] = loads
+        out.update(router_metrics(all_stats))  # max/mean load, selection biases
     return out
 
 
@@ -318,6 +320,8 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         nan_streak = 0
         was_frozen = getattr(opt, "frozen_at", None) is not None
         opt.step()
+        if cfg.moe and cfg.moe.bias_update_speed > 0:
+            update_router_biases_(model)  # aux-loss-free balancing: loads summed over the world
         dt = time.perf_counter() - t0
         clipped_steps += int(cfg.grad_clip > 0 and norm > cfg.grad_clip)
         if not was_frozen and getattr(opt, "frozen_at", None) is not None:

@@ -93,7 +93,7 @@ def _restore_in_process(run: Path, cfg: dict, rank: int, world: int):
     c = build(cfg)
     model = GPT(c.model_config())
     opt = make_optimizer(c, param_groups(model, c))
-    batches = TrainBatches(load_corpus(c.data).train, c.block_size, c.batch_size, c.seed, rank)
+    batches = TrainBatches(load_corpus(c.data).train, c.model.block_size, c.batch_size, c.seed, rank)
     info = DistInfo(rank, world, rank, torch.device("cpu"), None)
     return restore(run, model, opt, batches, info, c)
 
@@ -136,7 +136,7 @@ def test_reshard_dense_two_ranks_to_one(saved_run: Path, small_corpus: Path, tmp
     c = build(cfg_for(small_corpus, resume=True))
     model = GPT(c.model_config())
     opt = make_optimizer(c, param_groups(model, c))
-    batches = TrainBatches(load_corpus(c.data).train, c.block_size, c.batch_size, c.seed, 0)
+    batches = TrainBatches(load_corpus(c.data).train, c.model.block_size, c.batch_size, c.seed, 0)
     with pytest.warns(UserWarning, match="redistributed"):
         got = restore(saved_run, model, opt, batches, DistInfo(0, 1, 0, torch.device("cpu"), None), c)
     assert got.resharded and got.step == 12

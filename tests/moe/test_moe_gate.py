@@ -115,7 +115,7 @@ def test_gate_outputs_and_stats() -> None:
 
 
 def test_unnormalised_weights_are_router_probabilities() -> None:
-    gate = _gate(num_experts_per_tok=2, normalize_topk_weights=False)
+    gate = _gate(num_experts_per_tok=2, norm_topk_prob=False)
     x = torch.randn(32, 16)
     r = gate(x)
     probs = torch.softmax(x @ gate.router.weight.t(), -1)

@@ -40,6 +40,7 @@ from moebit.checkpoint.files import (
 from moebit.comm.collectives import DistInfo
 from moebit.config import TrainConfig
 from moebit.data import TrainBatches
+from moebit.models.gpt import GPTConfig
 from moebit.moe import is_expert_param
 
 
@@ -125,8 +126,16 @@ def _without_ep(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_model_config(manifest: dict[str, Any], now: dict[str, Any], where: Path) -> None:
-    # Everything but the expert-parallel degree must match; that one may change (resharding).
-    saved, now = _without_ep(manifest["model_config"]), _without_ep(now)
+    """Everything but the expert-parallel degree must match; that one may change (resharding).
+
+    Both sides go through GPTConfig first, so a manifest written before a setting existed
+    (it then holds its default) still matches.
+    """
+    try:
+        saved = GPTConfig(**manifest["model_config"]).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} holds another model type: {e}") from None
+    saved, now = _without_ep(saved), _without_ep(GPTConfig(**now).to_dict())
     diff = [k for k in now if saved.get(k) != now[k]]
     if diff:
         parts = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diff)

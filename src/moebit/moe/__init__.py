@@ -9,6 +9,7 @@
               kernel="auto")          # modern blocks (docs/moe.md)
 """
 
+from moebit.moe.balance import biased_gates, load_imbalance, router_metrics, update_router_biases_
 from moebit.moe.config import MoEConfig
 from moebit.moe.dense import MLP, GatedMLP, dense_expert
 from moebit.moe.dispatch import DispatchPlan, permute, plan_dispatch, unpermute
@@ -18,9 +19,11 @@ from moebit.moe.gate import (
     RoutingStats,
     TopKGate,
     compute_capacity,
+    group_limited_mask,
     load_balancing_loss,
     router_z_loss,
     select_kept,
+    seq_load_balancing_loss,
 )
 from moebit.moe.grouped import grouped_mm_supported
 from moebit.moe.layer import MoE, MoEOutput, ResidualMoE, build_moe
@@ -41,4 +44,7 @@ __all__ = [
     "expert_parallel_groups", "grouped_mm_supported", "is_expert_param", "load_balancing_loss",
     "permute", "plan_dispatch", "router_z_loss", "select_kept", "split_params_for_ep",
     "unpermute",
+    # routing: DeepSeek-V3 groups, sequence-wise loss, aux-loss-free balancing
+    "biased_gates", "group_limited_mask", "load_imbalance", "router_metrics",
+    "seq_load_balancing_loss", "update_router_biases_",
 ]

@@ -18,6 +18,7 @@ DROP_POLICIES = ("position", "random")
 NOISE_POLICIES = ("none", "jitter", "rsample")
 EXPERT_TYPES = ("gelu_mlp", "swiglu", "geglu")  # gated types: down(act(x W_gate) * (x W_up))
 KERNELS = ("auto", "loop", "padded", "grouped")
+SCORING_FUNCS = ("softmax", "sigmoid")
 
 # DeepSpeed (deepspeed.moe.layer.MoE) and other common spellings -> our field names.
 _ALIASES = {
@@ -32,12 +33,24 @@ _ALIASES = {
     "z_loss_coef": "router_z_loss_coef",
     "ffn_hidden_size": "d_ffn",
     "moe_intermediate_size": "d_ffn",
-    "norm_topk_prob": "normalize_topk_weights",
+    "normalize_topk_weights": "norm_topk_prob",
     # expert blocks (Megatron-Core, DeepSeek and Qwen spellings)
     "n_shared_experts": "num_shared_experts",
     "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
     "moe_shared_expert_gate": "shared_expert_gate",
 }
+# Routing (DeepSeek-V3 names are the fields; Megatron-Core spellings are aliases).
+_ALIASES.update({
+    "moe_router_score_function": "scoring_func",
+    "moe_router_pre_softmax": "softmax_before_topk",
+    "moe_router_num_groups": "n_group",
+    "moe_router_group_topk": "topk_group",
+    "moe_router_topk_scaling_factor": "routed_scaling_factor",
+    "moe_router_bias_update_rate": "bias_update_speed",
+    "aux_loss_alpha": "router_aux_loss_coef",
+})
+# Megatron's moe_router_load_balancing_type values -> seq_aux.
+_BALANCING_TYPES = {"aux_loss": False, "seq_aux_loss": True}
 
 
 @dataclass
@@ -55,7 +68,7 @@ class MoEConfig:
         "random" (Random Token Selection). Either way first choices beat second choices.
     noise: "jitter" multiplies the router input by U[0.99, 1.01]; "rsample" adds Gumbel
         noise to the logits used for selection. Training only.
-    normalize_topk_weights: rescale the k gate weights of a token to sum to 1 (k > 1 only;
+    norm_topk_prob: rescale the k gate weights of a token to sum to 1 (k > 1 only;
         with k = 1 it would make every weight 1 and cut the router off the LM loss).
     router_aux_loss_coef / router_z_loss_coef: weights of the load-balancing loss and
         the router z-loss in `MoEOutput.aux_loss`.
@@ -75,6 +88,21 @@ class MoEConfig:
     shared_expert_gate: Qwen2-MoE's per-token ``sigmoid(Linear(d, 1))`` factor on it.
     kernel: how the routed experts run: "loop", "padded", "grouped" (torch grouped_mm) or
         "auto" (chosen per call from measured rules, see ``moebit.moe.experts``).
+    Routing (docs/moe-routing.md), defaults = the GShard/Switch router above:
+    scoring_func: "softmax" or "sigmoid" (DeepSeek-V3) expert scores.
+    softmax_before_topk: softmax over all E then top-k (default); False picks the top-k
+        logits and softmaxes over those k (Mixtral, Megatron's default): the k weights then
+        sum to 1 at any k, k = 1 included. Softmax scoring only.
+    n_group / topk_group: group-limited top-k: the E experts form n_group groups, a group
+        scores the sum of its best two experts, a token picks among the experts of its
+        topk_group best groups only. n_group 1 (default) is plain top-k; topk_group None
+        keeps every group.
+    routed_scaling_factor: multiplies the final gate weights (DeepSeek-V3 uses 2.5).
+    bias_update_speed: aux-loss-free balancing: > 0 adds a per-expert bias
+        (``e_score_correction_bias``) to the scores for selection only, moved by this much
+        per optimizer step towards the mean load (``update_router_biases_``). 0 = off.
+    seq_aux: the load-balancing loss per sequence, averaged over sequences (DeepSeek-V3's
+        sequence-wise loss) instead of over the whole batch (GShard).
     """
 
     num_experts: int = 8
@@ -85,7 +113,7 @@ class MoEConfig:
     drop_tokens: bool = True
     drop_policy: str = "position"
     noise: str = "none"
-    normalize_topk_weights: bool = True
+    norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     residual: bool = False
@@ -98,6 +126,14 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     kernel: str = "auto"
+    # routing
+    scoring_func: str = "softmax"
+    softmax_before_topk: bool = True
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 0.0
+    seq_aux: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -146,6 +182,7 @@ class MoEConfig:
         if self.d_ffn is not None and (not isinstance(self.d_ffn, int) or self.d_ffn < 1):
             raise ValueError(f"d_ffn must be a positive int or None, got {self.d_ffn!r}")
         self._validate_expert_block()
+        self._validate_routing()
 
     def _validate_expert_block(self) -> None:
         if self.expert_type not in EXPERT_TYPES:
@@ -195,6 +232,45 @@ class MoEConfig:
             return self.shared_expert_intermediate_size
         return self.ffn_size(d_model) * max(self.num_shared_experts, 1)
 
+    def _validate_routing(self) -> None:
+        e, k, g = self.num_experts, self.num_experts_per_tok, self.n_group
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}"
+            )
+        if not self.softmax_before_topk and self.scoring_func != "softmax":
+            raise ValueError("softmax_before_topk = False (top-k then softmax) needs "
+                             f"scoring_func 'softmax', got {self.scoring_func!r}")
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"n_group must be a positive int, got {g!r}")
+        if e % g:
+            raise ValueError(f"n_group = {g} does not divide num_experts = {e}: "
+                             "every group must hold the same number of experts")
+        tg = self.topk_group
+        if tg is not None:
+            if isinstance(tg, bool) or not isinstance(tg, int) or tg < 1:
+                raise ValueError(f"topk_group must be a positive int or None, got {tg!r}")
+            if tg > g:
+                raise ValueError(f"topk_group = {tg} is larger than n_group = {g}")
+            if k > tg * (e // g):
+                raise ValueError(
+                    f"num_experts_per_tok (k) = {k} is larger than the {tg * (e // g)} experts "
+                    f"that topk_group = {tg} groups of {e // g} leave to choose from"
+                )
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(
+                f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}"
+            )
+        if not self.bias_update_speed >= 0:
+            raise ValueError(
+                f"bias_update_speed must be >= 0 (0 = off), got {self.bias_update_speed!r}"
+            )
+
+    @property
+    def groups_kept(self) -> int:
+        """Groups a token may pick experts from (n_group when not limited)."""
+        return self.n_group if self.topk_group is None else self.topk_group
+
     def ffn_size(self, d_model: int) -> int:
         return self.d_ffn if self.d_ffn is not None else 4 * d_model
 
@@ -233,13 +309,15 @@ class MoEConfig:
                 put("noise", _noise_from_deepspeed(value), key)
             elif key == "moe_grouped_gemm":  # Megatron-Core: grouped GEMM or SequentialMLP
                 put("kernel", "grouped" if value else "loop", key)
+            elif key == "moe_router_load_balancing_type":
+                put("seq_aux", _seq_aux_from_megatron(value), key)
             else:
                 known = sorted(fields | set(_ALIASES) | _SPECIAL_KEYS)
                 raise ValueError(f"unknown MoE config key {key!r}; known keys: {', '.join(known)}")
         return cls(**out)
 
 
-_SPECIAL_KEYS = {"use_rts", "noisy_gate_policy", "moe_grouped_gemm"}
+_SPECIAL_KEYS = {"use_rts", "noisy_gate_policy", "moe_grouped_gemm", "moe_router_load_balancing_type"}
 
 
 def _noise_from_deepspeed(value: Any) -> str:
@@ -250,4 +328,13 @@ def _noise_from_deepspeed(value: Any) -> str:
         return v
     raise ValueError(
         f"noisy_gate_policy must be None, 'Jitter' or 'RSample', got {value!r}"
+    )
+
+
+def _seq_aux_from_megatron(value: Any) -> bool:
+    if value in _BALANCING_TYPES:
+        return _BALANCING_TYPES[value]
+    raise ValueError(
+        f"moe_router_load_balancing_type must be one of {sorted(_BALANCING_TYPES)} "
+        f"(for no loss set router_aux_loss_coef = 0), got {value!r}"
     )

@@ -93,7 +93,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> MoEOutput:
         self._check(x)
         x_SD = x.reshape(-1, self.d_model)
-        routing = self.gate(x_SD)
+        routing = self.gate(x_SD, seq_len=x.shape[1] if x.dim() == 3 else None)
         plan = plan_dispatch(
             routing.expert_SK, routing.weight_SK, routing.kept_SK, self.config.num_experts
         )
