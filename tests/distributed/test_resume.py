@@ -14,9 +14,9 @@ from moebit.testing import RankFailed, run_on_ranks
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
-    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
 
 def cfg_for(corpus: Path, **kw) -> dict:
@@ -172,9 +172,9 @@ def test_nan_loss_is_skipped_or_stops(small_corpus: Path, tmp_path: Path, policy
 def _run_with_nan(rank: int, world: int, cfg_dict: dict, run_dir: str, policy: str):
     """Rank 1 produces a NaN loss at step 3; every rank must take the same decision."""
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
     from toys import poison_gpt_loss
 
     poison_gpt_loss(rank, on_rank=1, at_call=3)
-    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
