@@ -53,6 +53,13 @@ def test_resume_is_bit_exact(small_corpus: Path, tmp_path: Path, optimizer: str)
     recs = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in recs].count("resume") == 1
     assert [r["step"] for r in recs if r["kind"] == "train"] == [4, 6, 8, 12]
+    # The whole-run counters of the resumed run's end record cover both attempts.
+    whole = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
+    end = recs[-1]
+    assert end["kind"] == whole["kind"] == "end" and whole["bytes_sent"] > 0
+    for key in ("bytes_sent", "bytes_recv", "collectives", "nan_skipped"):
+        assert end[key] == whole[key], key
+    assert [r["bytes_sent"] for r in recs if r["kind"] == "train"][-1] == end["bytes_sent"]
 
 
 @pytest.fixture(scope="module")
