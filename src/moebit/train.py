@@ -134,6 +134,17 @@ def resume_or_broadcast(run_dir: Path, model: CausalLM, opt: torch.optim.Optimiz
     return resumed
 
 
+def saved_totals(resumed: ckpt_io.Resumed | None, tokens_per_step: int) -> RunTotals:
+    """The counters of the attempts before this one (none for a fresh run)."""
+    if resumed is None:
+        return RunTotals()
+    if "totals" in resumed.run_state:
+        return RunTotals.from_dict(resumed.run_state["totals"])
+    # A checkpoint older than the counters: its time and steps are known, its bytes not.
+    return RunTotals(train_time=resumed.train_time, steps_trained=resumed.step,
+                     tokens=resumed.step * tokens_per_step)
+
+
 def start_record(cfg: TrainConfig, info: DistInfo, model: CausalLM, corpus: Any) -> dict[str, Any]:
     return {"kind": "start", "n_params": model.num_params(), "world_size": info.world_size,
             "n_expert_params": model.num_expert_params(),
@@ -180,10 +191,9 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     resumed = resume_or_broadcast(run_dir, model, opt, batches, info, cfg)
     state = resumed.run_state if resumed else {}
     hooks.load_state_dict(state.get("hooks", {}))
-    totals = RunTotals.from_dict(state.get("totals"))
-    if resumed and "totals" not in state:  # a checkpoint older than the counters
-        totals.train_time = resumed.train_time
     first_step = resumed.step if resumed else 0
+    tokens_per_step = cfg.batch_size * block * info.world_size
+    totals = saved_totals(resumed, tokens_per_step)
     log = open_metrics(run_dir, info, first_step if resumed else None)
     say: Callable[[dict[str, Any]], None] = partial(emit, log)
     loop = Loop(cfg, info, model, opt, vbatches, say)
@@ -194,8 +204,7 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
         say({**start_record(cfg, info, model, corpus), **hooks.start(loop)})
     bar = progress(info, hooks.label, cfg.steps, first_step)
     t_start = time.perf_counter() - (resumed.wall if resumed else 0.0)
-    meter = Meter(cfg.batch_size * block * info.world_size, totals,
-                  model.num_expert_params() > 0, comm_origin)
+    meter = Meter(tokens_per_step, totals, model.num_expert_params() > 0, comm_origin)
     val_loss = float("nan")
     postfix: dict[str, str] = {}
     nan_streak = 0
