@@ -243,6 +243,9 @@ class KDStage:
         self.used += 1
         return self.dcfg.kd_weight * kd, {"kd_loss": float(kd.detach())}
 
+    def evaluated(self, loop: Loop, step: int, val_loss: float) -> dict[str, Any]:
+        return {"val_vs_teacher": val_loss / self.teacher_val}
+
     def end(self, loop: Loop, summary: dict[str, Any]) -> dict[str, Any]:
         return {"kd_steps": self.used, "teacher_val_loss": self.teacher_val,
                 "teacher_params": self.teacher.num_params(),
@@ -262,7 +265,8 @@ class KDStage:
     def hooks(self) -> Hooks:
         return Hooks(label="distill", init_model=lambda m: init_student_(m, self.teacher, self.keep),
                      start=self.start, before_step=self.before_step, extra_loss=self.extra_loss,
-                     end=self.end, state_dict=self.state_dict, load_state_dict=self.load_state_dict)
+                     evaluated=self.evaluated, end=self.end, state_dict=self.state_dict,
+                     load_state_dict=self.load_state_dict)
 
 
 def caught_up(loop: Loop, teacher_val: float) -> float | None:

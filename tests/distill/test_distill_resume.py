@@ -129,6 +129,9 @@ def test_resume_is_bit_exact_with_ep2_and_keeps_the_kd_stage(runs):
         assert [r["step"] for r in recs if r["kind"] == "train" and "kd_loss" in r] == [2]
         assert [r["step"] for r in recs if r["kind"] == "train"] == [2, 4, 6, 8]
     assert straight_end["kd_steps"] == split_end["kd_steps"] == 2
+    (ev,) = [r for r in split if r["kind"] == "eval"]
+    assert ev["step"] == 2 * N and ev["val_loss"] == split_end["val_loss"]
+    assert ev["val_vs_teacher"] == pytest.approx(ev["val_loss"] / split_end["teacher_val_loss"])
     assert split_end["val_loss"] == straight_end["val_loss"]
     assert split_end["teacher_val_loss"] == straight_end["teacher_val_loss"]
 
