@@ -31,7 +31,7 @@ def _read_events(log_dir: Path):
 
 def _train_body(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train as _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
@@ -194,7 +194,7 @@ def _distill_body(rank: int, world: int, t_dict: dict, t_run: str, s_dict: dict,
                   s_run: str):
     from moebit.comm.collectives import init_from_env
     from moebit.distill import DistillConfig, distill
-    from moebit.train import _train
+    from moebit.train import train as _train
 
     _train(build(t_dict), Path(t_run), init_from_env("cpu"))
     Path(s_run).mkdir(parents=True, exist_ok=True)

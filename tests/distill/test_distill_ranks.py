@@ -23,9 +23,9 @@ def _teacher_then_students(rank: int, world: int, t_dict: dict, t_run: str, jobs
     torch per rank); each job is (student config dict, distill dict, run folder)."""
     from moebit.comm.collectives import init_from_env
     from moebit.distill import distill
-    from moebit.train import _train
+    from moebit.train import train
 
-    _train(build(t_dict), Path(t_run), init_from_env("cpu"))
+    train(build(t_dict), Path(t_run), init_from_env("cpu"))
     out = []
     for cfg_dict, d_dict, run_dir in jobs:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ def test_a_nan_on_one_rank_stops_every_rank(distilled, small_corpus: Path, tmp_p
     # ep 1: with ep 2 the MoE's all-to-all would carry the NaN to rank 0 in the backward
     cfg, keep = student_train_config(t_cfg, d, {"steps": 6, "optimizer": "onebit_adam",
                                                 "freeze_step": 1, "eval_every": 100,
-                                                "ep_size": 1})
+                                                "ep_size": 1, "on_nan": "stop"})
     d.keep_layers = keep
     res = run_on_ranks(_distill_with_nan_on_rank1, 2,
                        args=(cfg.to_dict(), d.to_dict(), str(tmp_path)), timeout=90)

@@ -14,9 +14,9 @@ from moebit.testing import run_on_ranks
 
 def _train_run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
-    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
 
 def test_split_windows_cover_every_byte_once() -> None:

@@ -19,9 +19,9 @@ def moe_cfg(corpus: Path, **kw) -> dict:
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
-    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
 
 def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):

@@ -14,9 +14,9 @@ from moebit.testing import RankFailed, run_on_ranks
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
-    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
 
 def cfg_for(corpus: Path, **kw) -> dict:
@@ -53,6 +53,13 @@ def test_resume_is_bit_exact(small_corpus: Path, tmp_path: Path, optimizer: str)
     recs = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in recs].count("resume") == 1
     assert [r["step"] for r in recs if r["kind"] == "train"] == [4, 6, 8, 12]
+    # The whole-run counters of the resumed run's end record cover both attempts.
+    whole = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
+    end = recs[-1]
+    assert end["kind"] == whole["kind"] == "end" and whole["bytes_sent"] > 0
+    for key in ("bytes_sent", "bytes_recv", "collectives", "nan_skipped"):
+        assert end[key] == whole[key], key
+    assert [r["bytes_sent"] for r in recs if r["kind"] == "train"][-1] == end["bytes_sent"]
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +179,9 @@ def test_nan_loss_is_skipped_or_stops(small_corpus: Path, tmp_path: Path, policy
 def _run_with_nan(rank: int, world: int, cfg_dict: dict, run_dir: str, policy: str):
     """Rank 1 produces a NaN loss at step 3; every rank must take the same decision."""
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
     from toys import poison_gpt_loss
 
     poison_gpt_loss(rank, on_rank=1, at_call=3)
-    return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))

@@ -17,10 +17,10 @@ from moebit.testing import free_port, run_on_ranks
 
 def _train_body(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train
 
     cfg = build(cfg_dict)
-    return _train(cfg, Path(run_dir), init_from_env("cpu"))
+    return train(cfg, Path(run_dir), init_from_env("cpu"))
 
 
 def _params_body(rank: int, world: int, cfg_dict: dict):

@@ -73,7 +73,7 @@ def test_foreign_state_dict_is_named() -> None:
 
 def _train(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import _train
+    from moebit.train import train as _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 

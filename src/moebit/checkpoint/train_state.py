@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ class Resumed:
     train_time: float
     path: Path
     resharded: bool
+    # What the loop saved beside the model: its whole-run counters and its hooks' state
+    # (empty for a checkpoint written before they were saved).
+    run_state: dict[str, Any] = field(default_factory=dict)
 
 
 def expert_names(model: torch.nn.Module) -> set[str]:
@@ -81,7 +84,11 @@ def load_optimizer_state(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
          batches: TrainBatches, info: DistInfo, cfg: TrainConfig, *, wall: float,
-         train_time: float) -> Path:
+         train_time: float, run_state: dict[str, Any] | None = None) -> Path:
+    """Write this rank's shard of step ``step``; rank 0 commits it with the manifest.
+
+    ``run_state`` (plain values and tensors) comes back as ``Resumed.run_state``.
+    """
     d = step_dir(run_dir, step)
     d.mkdir(parents=True, exist_ok=True)
     shard = {
@@ -94,6 +101,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
         "batches": batches.state_dict(),
         "wall": wall,
         "train_time": train_time,
+        "run_state": run_state or {},
     }
     path = d / shard_name(info.rank)
     save_atomic(shard, path)
@@ -160,12 +168,15 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         load_optimizer_state(opt, shard["optimizer"])
         torch.set_rng_state(shard["rng"])
         batches.load_state_dict(shard["batches"])
-        return Resumed(shard["step"], shard["wall"], shard["train_time"], d, False)
+        return Resumed(shard["step"], shard["wall"], shard["train_time"], d, False,
+                       shard.get("run_state", {}))
     shards = load_model_weights(d, manifest, model, info.rank, new_ep)
     _reshard_optimizer(d, shards, model, opt, _regatherer(model, d, info.rank, new_ep))
     own = d / shard_name(info.rank)
+    mine = shards[0]
     if info.rank < manifest["world_size"] and own.is_file():
-        batches.load_state_dict(load_file(own)["batches"])
+        mine = load_file(own)
+        batches.load_state_dict(mine["batches"])
     torch.manual_seed(int(manifest["config"]["seed"]) + int(manifest["step"]) + info.rank)
     if info.is_main:
         warnings.warn(
@@ -173,7 +184,7 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
             f"{manifest['world_size']} / {manifest['ep_size']}): experts redistributed; "
             "1-bit error buffers reset", stacklevel=2)
     s0 = shards[0]
-    return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True)
+    return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True, mine.get("run_state", {}))
 
 
 def _regatherer(model: torch.nn.Module, d: Path, rank: int, new_ep: int) -> Any:

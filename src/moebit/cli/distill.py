@@ -2,12 +2,15 @@
 
     moebit distill --teacher runs/prmoe --student-layers 6 --steps 300 --run-dir runs/mos
     moebit distill --teacher runs/prmoe --student-layers 6 --no-kd --run-dir runs/nokd  # baseline
+    moebit distill --resume runs/mos                     # continue from the newest checkpoint
     moebit report runs/prmoe runs/mos runs/nokd
 
 The student takes the teacher's configuration (widths, experts, MoE settings, data,
 optimizer, schedule) with fewer blocks; training flags override the teacher's values,
-model-shape flags are refused. Ranks are launched through torch.distributed.run exactly
-as ``moebit train`` launches them, each running ``python -m moebit.distill``.
+model-shape flags are refused. ``--resume RUN`` takes the settings of RUN (config.json and
+distill.json; training flags override them) and continues in the KD stage it was in. Ranks
+are launched through torch.distributed.run exactly as ``moebit train`` launches them, each
+running ``python -m moebit.distill``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
 from moebit.cli.train import INTERNAL_FIELDS
-from moebit.config import TrainConfig
+from moebit.config import TrainConfig, build
 from moebit.distill import (
     DISTILL_FILE,
     FIXED_BY_TEACHER,
@@ -39,8 +42,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Distil a teacher run into a shallower student (Mixture-of-Students).",
     )
     kd = ap.add_argument_group("distillation")
-    kd.add_argument("--teacher", required=True, metavar="RUN", help="the teacher's run folder")
-    kd.add_argument("--student-layers", required=True, type=int, help="blocks of the student")
+    ap.add_argument("--resume", metavar="RUN",
+                    help="continue the distillation RUN from its newest checkpoint (its settings; "
+                         "training flags override them)")
+    kd.add_argument("--teacher", metavar="RUN", help="the teacher's run folder (required)")
+    kd.add_argument("--student-layers", type=int, help="blocks of the student (required)")
     kd.add_argument("--keep-layers", metavar="I,J,...",
                     help="teacher block for each student block (default: keep relative depth, "
                          "see docs/distillation.md)")
@@ -69,6 +75,10 @@ def _keep_list(text: str) -> list[int]:
         raise UsageError(f"--keep-layers {text!r}: expected comma-separated block numbers") from None
 
 
+DISTILL_FLAGS = ("teacher", "student_layers", "keep_layers", "kd_weight", "temperature",
+                 "kd_stop_fraction", "kd_stop_rule", "kd_check_every", "no_kd", "teacher_dtype")
+
+
 def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, Any]]:
     ap = _parser()
     ns, unknown = parse_known(ap, argv, "distill")
@@ -81,14 +91,15 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
         raise unknown_flag_error(unknown, "distill")
     given = vars(ns)
     launch = pop_launch(given)
-    dvals: dict[str, Any] = {"teacher": given.pop("teacher"),
-                             "student_layers": given.pop("student_layers")}
-    for k in ("kd_weight", "temperature", "kd_stop_fraction", "kd_stop_rule", "kd_check_every",
-              "no_kd", "teacher_dtype"):
-        if k in given:
-            dvals[k] = given.pop(k)
-    if "keep_layers" in given:
-        dvals["keep_layers"] = _keep_list(given.pop("keep_layers"))
+    dvals = {k: given.pop(k) for k in DISTILL_FLAGS if k in given}
+    if "resume" in given:
+        cfg, dcfg = _resumed(Path(given.pop("resume")), dvals, given)
+        return cfg, dcfg, launch
+    for k in ("teacher", "student_layers"):
+        if k not in dvals:
+            raise UsageError(f"--{k.replace('_', '-')} is required (or --resume RUN)")
+    if "keep_layers" in dvals:
+        dvals["keep_layers"] = _keep_list(dvals["keep_layers"])
     dcfg = DistillConfig(**dvals).validate()
     t_cfg, _ = load_teacher_config(dcfg.teacher)
     cfg, keep = student_train_config(t_cfg, dcfg, given)
@@ -98,6 +109,24 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     return cfg, dcfg, launch
 
 
+def _resumed(run: Path, dvals: dict[str, Any], given: dict[str, Any]
+             ) -> tuple[TrainConfig, DistillConfig]:
+    """The settings of the distillation ``run`` to continue, training flags applied."""
+    if dvals:
+        key = next(iter(dvals))
+        flag = "--kd-stop" if key == "kd_stop_rule" else "--" + key.replace("_", "-")
+        raise UsageError(f"--resume RUN takes the distillation settings from RUN/{DISTILL_FILE}; "
+                         f"drop {flag}")
+    for name in ("config.json", DISTILL_FILE):
+        if not (run / name).is_file():
+            raise UsageError(f"--resume {str(run)!r}: not a distillation run folder (no {name})")
+    given.pop("run_dir", None)
+    values = {**json.loads((run / "config.json").read_text()), "resume": True, "run_dir": str(run)}
+    cfg = build(values, given, source=f"{run}/config.json")
+    dcfg = DistillConfig.from_dict(json.loads((run / DISTILL_FILE).read_text()))
+    return cfg, dcfg
+
+
 def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]) -> Path:
     """Write the run folder and run the ranks through torch.distributed.run."""
     tracking.require(cfg)  # before the run folder is written
@@ -105,7 +134,7 @@ def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]
     write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
     print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
     run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
-              "distillation")
+              "distillation", f"Resume with: moebit distill --resume {run_dir}")
     return run_dir
 
 

@@ -1,0 +1,24 @@
+"""The one place a model is built from a configuration (training, distillation, resume).
+
+New families (a later issue's Hugging Face models) add their config type here; everything
+after this call sees only the ``CausalLM`` interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from moebit.models.gpt import GPT, GPTConfig
+from moebit.models.interface import CausalLM
+
+
+class HasModelConfig(Protocol):
+    def model_config(self) -> Any: ...
+
+
+def build_model(cfg: HasModelConfig) -> CausalLM:
+    """The model ``cfg.model_config()`` describes, freshly initialised from torch's RNG."""
+    mcfg = cfg.model_config()
+    if isinstance(mcfg, GPTConfig):
+        return GPT(mcfg)
+    raise TypeError(f"build_model: no model family for a {type(mcfg).__name__} configuration")
