@@ -391,7 +391,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         "collectives": total.calls, "comm_rounds": getattr(opt, "comm_rounds", None),
     }
     if cfg.samples:
-        from moebit.inference import generate
+        from moebit.generate import generate
 
         texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
         summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]

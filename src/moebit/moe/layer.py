@@ -8,6 +8,7 @@ in one process (teacher and student in distillation) cannot mix their losses.
     moe = MoE(512, MoEConfig(num_experts=8, num_experts_per_tok=2))
     out = moe(x_BTD)
     loss = lm_loss + out.aux_loss
+    y_SD = moe.infer(x_SD)      # inference: dropless, no losses or statistics
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from moebit.comm import collectives
 from moebit.moe.config import MoEConfig
-from moebit.moe.dispatch import permute, plan_dispatch, unpermute
+from moebit.moe.dispatch import DispatchPlan, permute, plan_dispatch, unpermute
 from moebit.moe.experts import Experts
 from moebit.moe.gate import RoutingStats, TopKGate
 from moebit.moe.mlp import MLP
@@ -80,21 +81,33 @@ class MoE(nn.Module):
         plan = plan_dispatch(
             routing.expert_SK, routing.weight_SK, routing.kept_SK, self.config.num_experts
         )
-        x_ND = permute(x_SD, plan)
-        if self.ep_groups is not None:
-            if torch.is_autocast_enabled(x.device.type):
-                # the experts compute in the autocast dtype anyway: send half the bytes
-                x_ND = x_ND.to(torch.get_autocast_dtype(x.device.type))
-            y_ND = expert_parallel_apply(x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group)
-        else:
-            y_ND = self.experts(x_ND, plan.counts)
-        out_SD = unpermute(y_ND, plan)
+        out_SD = unpermute(self._run_experts(permute(x_SD, plan), plan), plan)
         if not torch.is_autocast_enabled(x.device.type):
             out_SD = out_SD.to(x.dtype)
         c = self.config
         aux = c.router_aux_loss_coef * routing.aux_loss + c.router_z_loss_coef * routing.z_loss
         return MoEOutput(out_SD.view(x.shape), aux, routing.aux_loss, routing.z_loss,
                          routing.stats)
+
+    def infer(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """Inference output for tokens [S, d] (S may be 0: an expert-parallel rank with no
+        tokens still serves its experts): every token routed (dropless), and none of the
+        losses, statistics or capacity work of ``forward``, which at a few tokens per
+        decoding step cost about as much as the routing itself. Same dispatch, experts
+        and all-to-all as ``forward``; the model is in eval mode, so no routing noise."""
+        _, _, expert_SK, weight_SK = self.gate.choose(x_SD)
+        kept_SK = torch.ones_like(expert_SK, dtype=torch.bool)
+        plan = plan_dispatch(expert_SK, weight_SK, kept_SK, self.config.num_experts)
+        return unpermute(self._run_experts(permute(x_SD, plan), plan), plan).to(x_SD.dtype)
+
+    def _run_experts(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """The experts on the permuted rows: here, or over the all-to-all (expert parallel)."""
+        if self.ep_groups is None:
+            return self.experts(x_ND, plan.counts)
+        if torch.is_autocast_enabled(x_ND.device.type):
+            # the experts compute in the autocast dtype anyway: send half the bytes
+            x_ND = x_ND.to(torch.get_autocast_dtype(x_ND.device.type))
+        return expert_parallel_apply(x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group)
 
 
 class ResidualMoE(nn.Module):
@@ -119,6 +132,11 @@ class ResidualMoE(nn.Module):
         c = torch.softmax(self.coef(x), dim=-1)
         hidden = m.hidden * c[..., 0:1] + self.mlp(x) * c[..., 1:2]
         return MoEOutput(hidden, m.aux_loss, m.balance_loss, m.z_loss, m.stats)
+
+    def infer(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """Inference output for tokens [S, d]: the same mix, the MoE through ``MoE.infer``."""
+        c_S2 = torch.softmax(self.coef(x_SD), dim=-1)
+        return self.moe.infer(x_SD) * c_S2[:, 0:1] + self.mlp(x_SD) * c_S2[:, 1:2]
 
 
 def build_moe(
