@@ -265,8 +265,7 @@ class GPT(nn.Module):
         else:
             if cache.longest(T) > bs:
                 raise ValueError(f"sequence of {cache.longest(T)} tokens exceeds block_size {bs}")
-            # a finished row keeps advancing with the others: its position is clamped
-            x = self.wte(input_ids) + self.wpe(cache.positions(T).clamp_max_(bs - 1))
+            x = self.wte(input_ids) + self.wpe(cache.positions(T, limit=bs - 1))
         aux = torch.zeros((), device=input_ids.device, dtype=torch.float32)
         ffn_outputs = []
         for block in self.blocks:

@@ -46,9 +46,12 @@ class KVCache:
         self.start_B = torch.tensor(starts, dtype=torch.long, device=k[0].device)
         self.padded = any(starts)
         self.live = [True] * b  # rows still being decoded (host copy)
-        self._live_B = torch.ones(b, dtype=torch.bool, device=k[0].device)
         self.filled = 0  # columns written so far, the same for every row
-        self._memo: dict[str, tuple[tuple[int, int], torch.Tensor | None]] = {}
+        # this step's mask and feed-forward rows, made by the first layer that asks
+        self._mask_at: tuple[int, int] | None = None
+        self._mask: torch.Tensor | None = None
+        self._rows_at: tuple[int, int] | None = None
+        self._rows: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, n_layer: int, batch: int, n_head: int, head_dim: int, max_len: int,
@@ -67,21 +70,21 @@ class KVCache:
         """Row ``row`` needs no more tokens: its feed-forward stops running."""
         if self.live[row]:
             self.live[row] = False
-            self._live_B = torch.tensor(self.live, dtype=torch.bool, device=self.start_B.device)
-            self._memo.clear()
+            self._rows_at = None
 
     def longest(self, t: int) -> int:
         """Real tokens of the longest live row once ``t`` more columns are written."""
         f = self.filled + t
         return max((f - s for s, alive in zip(self.starts, self.live, strict=True) if alive), default=0)
 
-    def positions(self, t: int) -> torch.Tensor:
-        """[B, t] long: the position of each new column in its row (0 on padding)."""
+    def positions(self, t: int, limit: int | None = None) -> torch.Tensor:
+        """[B, t] long: the position of each new column in its row (0 on padding), at most
+        ``limit`` (a finished row keeps advancing with the others past its last position)."""
         if self.filled + t > self.capacity:
             raise ValueError(f"KVCache holds {self.capacity} columns: {self.filled} are filled, "
                              f"{t} more do not fit")
         cols_T = torch.arange(self.filled, self.filled + t, device=self.start_B.device)
-        return (cols_T[None] - self.start_B[:, None]).clamp_min_(0)
+        return (cols_T[None] - self.start_B[:, None]).clamp_(0, limit)
 
     def update(self, layer: int, k_BHTd: torch.Tensor,
                v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +97,6 @@ class KVCache:
     def advance(self, t: int) -> None:
         """The forward of ``t`` columns is done: the next one writes after them."""
         self.filled += t
-        self._memo.clear()
 
     def mask_for(self, t: int) -> torch.Tensor | None:
         """The attention mask of ``t`` new queries over all keys so far, [B|1, 1, t, S] bool.
@@ -104,23 +106,18 @@ class KVCache:
         over exactly the t keys). A padding query also sees itself, so no row of the
         softmax is empty (an all-masked row is NaN, and NaN times a zero weight stays NaN).
         """
-        return self._memoized("mask", t, self._mask)
+        if self._mask_at != (self.filled, t):
+            self._mask, self._mask_at = self._make_mask(t), (self.filled, t)
+        return self._mask
 
     def ffn_rows(self, t: int) -> torch.Tensor | None:
         """Indices into the step's flattened [B * t] tokens that the feed-forward must run
         on (real tokens of live rows); None when that is every token."""
-        return self._memoized("rows", t, self._rows)
+        if self._rows_at != (self.filled, t):
+            self._rows, self._rows_at = self._make_rows(t), (self.filled, t)
+        return self._rows
 
-    def _memoized(self, name: str, t: int, make) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
-        key = (self.filled, t)
-        hit = self._memo.get(name)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        value = make(t)
-        self._memo[name] = (key, value)
-        return value
-
-    def _mask(self, t: int) -> torch.Tensor | None:
+    def _make_mask(self, t: int) -> torch.Tensor | None:
         f = self.filled
         s = f + t
         if not self.padded and (t == 1 or f == 0):
@@ -135,10 +132,11 @@ class KVCache:
         self_TS = key_S[None, :] == query_T[:, None]
         return ((real_BS[:, None, :] & causal_TS[None]) | self_TS[None])[:, None]
 
-    def _rows(self, t: int) -> torch.Tensor | None:
+    def _make_rows(self, t: int) -> torch.Tensor | None:
         if all(self.live) and self.filled >= max(self.starts, default=0):
             return None
         dev = self.start_B.device
         cols_T = torch.arange(self.filled, self.filled + t, device=dev)
-        run_BT = (cols_T[None] >= self.start_B[:, None]) & self._live_B[:, None]
+        live_B = torch.tensor(self.live, dtype=torch.bool, device=dev)
+        run_BT = (cols_T[None] >= self.start_B[:, None]) & live_B[:, None]
         return run_BT.reshape(-1).nonzero().squeeze(1)
