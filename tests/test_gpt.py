@@ -43,10 +43,10 @@ def test_kv_cache_matches_full_recompute():
     m.eval()
     x = torch.randint(0, 256, (2, 12))
     full = m(x).logits
-    caches = m.new_caches()
-    parts = [m(x[:, :5], caches=caches).logits]
+    cache = m.new_cache(batch=2, max_len=12)
+    parts = [m(x[:, :5], cache=cache).logits]
     for t in range(5, 12):
-        parts.append(m(x[:, t : t + 1], caches=caches).logits)
+        parts.append(m(x[:, t : t + 1], cache=cache).logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 

@@ -85,8 +85,8 @@ def poison_gpt_loss(rank: int, on_rank: int, at_call: int) -> None:
     original = gpt.GPT.forward
     calls = {"n": 0}
 
-    def poisoned(self, idx, targets=None, caches=None):  # type: ignore[no-untyped-def]
-        out = original(self, idx, targets, caches)
+    def poisoned(self, idx, targets=None, cache=None, **kw):  # type: ignore[no-untyped-def]
+        out = original(self, idx, targets, cache, **kw)
         if self.training and targets is not None:
             calls["n"] += 1
             if rank == on_rank and calls["n"] == at_call:

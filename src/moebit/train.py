@@ -38,6 +38,7 @@ from moebit.comm.collectives import DistInfo, broadcast_params_, init_from_env
 from moebit.config import TrainConfig, build
 from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
 from moebit.evaluation import autocast, evaluate
+from moebit.generate import generate
 from moebit.grads import (
     NonFiniteLoss,
     average_for_step,
@@ -47,7 +48,6 @@ from moebit.grads import (
     non_finite,
     report_freeze,
 )
-from moebit.inference import generate
 from moebit.models.build import build_model
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep, update_router_biases_

@@ -39,7 +39,7 @@ from moebit.checkpoint import (
 )
 from moebit.checkpoint.train_state import optimizer_state
 from moebit.config import TrainConfig, build
-from moebit.inference import model_config_of, resolve_checkpoint
+from moebit.loading import model_config_of, resolve_checkpoint
 from moebit.models.gpt import GPT, GPTConfig, moe_config_for
 from moebit.train import make_optimizer, param_groups
 

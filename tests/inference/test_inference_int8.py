@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebit.inference import generate
+from moebit.generate import generate
 from moebit.moe.experts import Experts
 from moebit.quantize import Int8Experts, dequantize, int8_linear, quantize_experts_, quantize_per_channel
 

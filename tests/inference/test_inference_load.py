@@ -14,7 +14,8 @@ from moebit.checkpoint.train_state import save
 from moebit.comm.collectives import DistInfo
 from moebit.config import build
 from moebit.data import TrainBatches
-from moebit.inference import generate, load_model, resolve_checkpoint
+from moebit.generate import generate
+from moebit.loading import load_model, resolve_checkpoint
 from moebit.models.gpt import GPT
 from moebit.testing import run_on_ranks
 

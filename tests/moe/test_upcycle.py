@@ -11,7 +11,8 @@ import torch
 
 from moebit.cli.upcycle import main as upcycle_main
 from moebit.config import build
-from moebit.inference import dropless, load_model
+from moebit.generate import dropless
+from moebit.loading import load_model
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.testing import run_on_ranks
 from moebit.upcycle import upcycle, upcycle_state_dict, weights_sum_to_one

@@ -3,7 +3,7 @@
     moebit bench inference --run runs/issue7-moe64 --dense runs/issue7-dense --json inf.json
     moebit bench inference --synthetic --experts 64 --d-model 512 --json inf-syn.json
 
-Every variant decodes with the same KV-cache loop (``moebit.inference``) and the same
+Every variant decodes with the same KV-cache loop (``moebit.generate``) and the same
 weights; only the MoE layers' execution differs:
 
 - ``moebit``: sort-based dispatch (index gathers, one block per expert, only the chosen
@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebit.inference import dropless, generate_tokens, load_model, route
+from moebit.generate import dropless, generate_tokens
+from moebit.loading import load_model
 from moebit.models.gpt import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------- baseline
@@ -70,7 +71,7 @@ class OneHotMoE(nn.Module):
         zero = x.new_zeros((), dtype=torch.float32)
         if s == 0:
             return _BaselineOutput(x.clone(), zero)
-        expert_SK, weight_SK = route(moe, x_SD)  # the same lean router as our path
+        _, _, expert_SK, weight_SK = moe.gate.choose(x_SD)  # the same router as our path
         ex = moe.experts
         dt = ex.w1.dtype
         cap = max(1, int(torch.bincount(expert_SK.reshape(-1), minlength=e_num).max()))

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.data import load_corpus, val_batches
-from moebit.inference import load_model, resolve_checkpoint
+from moebit.loading import load_model, resolve_checkpoint
 from moebit.train import evaluate
 
 matplotlib.use("Agg")  # files only: no display on a training machine

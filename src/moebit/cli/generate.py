@@ -25,7 +25,8 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
-from moebit.inference import generate_tokens, load_model, model_config_of, resolve_checkpoint
+from moebit.generate import generate_tokens
+from moebit.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.quantize import quantize_experts_
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -8,11 +8,14 @@ standard MoE and Pyramid-Residual MoE are configurations of this one model.
 
     model = GPT(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=256))
     out = model(idx_BT, targets_BT)      # out.logits, out.loss, out.aux_loss
+    cache = model.new_cache(batch=B, max_len=T_max)          # decoding: see models.kv_cache
+    logits = model(idx_BT, cache=cache, logits_to_keep=1).logits
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebit.models.interface import ModelOutput
+from moebit.models.kv_cache import KVCache
 from moebit.moe import MLP, MoEConfig, build_moe, expert_parallel_groups, is_expert_param
 
 
@@ -113,22 +117,19 @@ class FeedForwardOutput:
 GPTOutput = ModelOutput  # the name older code imports
 
 
-@dataclass
-class KVCache:
-    """Keys and values of past positions for one block: [B, H, T_past, Dh]."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[2])
-
-
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Multi-head causal self-attention; with a ``KVCache``, over every key cached so far.
+
+    Without a cache (training, evaluation) it is one causal ``scaled_dot_product_attention``
+    over the T tokens. With one, the new keys/values are written into the cache's buffers
+    of this block (``layer``) and the queries attend to all filled columns under the
+    cache's padding mask.
+    """
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.layer = layer  # this block's slot in a KVCache
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
@@ -138,23 +139,17 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x_BTD).split(D, dim=2)
         shape = (B, T, self.n_head, D // self.n_head)
         q_BHTd, k_BHTd, v_BHTd = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        past = 0
-        if cache is not None:
-            past = cache.length
-            if cache.k is not None:
-                k_BHTd = torch.cat([cache.k, k_BHTd], dim=2)
-                v_BHTd = torch.cat([cache.v, v_BHTd], dim=2)
-            cache.k, cache.v = k_BHTd, v_BHTd
-        if past == 0:
+        if cache is None:
             y = F.scaled_dot_product_attention(
                 q_BHTd, k_BHTd, v_BHTd, is_causal=True,
                 dropout_p=self.dropout if self.training else 0.0,
             )
         else:
-            # New queries sit at positions past..past+T-1 and may see every key up to themselves.
-            total = past + T
-            mask_TS = torch.ones(T, total, dtype=torch.bool, device=x_BTD.device).tril(past)
-            y = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=mask_TS)
+            mask = cache.mask_for(T)
+            keys, values = cache.update(self.layer, k_BHTd, v_BHTd)
+            # no mask: one query (sees every key) or nothing cached before (plain causal)
+            y = F.scaled_dot_product_attention(q_BHTd, keys, values, attn_mask=mask,
+                                               is_causal=mask is None and T > 1)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -170,20 +165,46 @@ def build_feed_forward(cfg: GPTConfig, layer: int, ep_groups: Any = None) -> nn.
     return build_moe(cfg.d_model, moe_config_for(cfg, layer), ep_groups)
 
 
+def _ffn_infer(ffn: nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
+    """A feed-forward's output for inference: its ``infer`` (MoE layers: dropless, no
+    losses or statistics), else its forward's hidden state (the dense MLP, custom ones)."""
+    infer = getattr(ffn, "infer", None)
+    if infer is not None:
+        return infer(x_SD)
+    out = ffn(x_SD)
+    return out if isinstance(out, torch.Tensor) else out.hidden
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int, ep_groups: Any = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = build_feed_forward(cfg, layer, ep_groups)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, Any]:
+        """(new x, the feed-forward's output); decoding (a cache) returns no output object.
+
+        With a cache the feed-forward runs through ``infer`` on the cache's ``ffn_rows``
+        only: padding and finished rows cost no expert time, and with expert parallelism
+        an empty step (no rows) still takes part in the all-to-all.
+        """
         x = x + self.attn(self.ln1(x), cache)
+        if cache is not None:
+            return self._decode_ffn(x, cache.ffn_rows(x.shape[1])), None
         out = self.ffn(self.ln2(x))
         if isinstance(out, torch.Tensor):  # the dense MLP: no auxiliary loss
             out = FeedForwardOutput(out, out.new_zeros((), dtype=torch.float32))
         return x + out.hidden, out
+
+    def _decode_ffn(self, x_BTD: torch.Tensor, rows_N: torch.Tensor | None) -> torch.Tensor:
+        b, t, d = x_BTD.shape
+        h_SD = self.ln2(x_BTD).reshape(b * t, d)
+        if rows_N is None:
+            return x_BTD + _ffn_infer(self.ffn, h_SD).view(b, t, d).to(x_BTD.dtype)
+        out_ND = _ffn_infer(self.ffn, h_SD.index_select(0, rows_N))
+        return x_BTD.reshape(b * t, d).index_add(0, rows_N, out_ND.to(x_BTD.dtype)).view(b, t, d)
 
 
 class GPT(nn.Module):
@@ -237,29 +258,52 @@ class GPT(nn.Module):
 
     def forward(
         self,
-        idx_BT: torch.Tensor,
-        targets_BT: torch.Tensor | None = None,
-        caches: list[KVCache] | None = None,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
-        B, T = idx_BT.shape
-        past = caches[0].length if caches else 0
-        if past + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {past + T} tokens exceeds block_size {self.config.block_size}"
-            )
-        pos = torch.arange(past, past + T, device=idx_BT.device)
-        x = self.drop(self.wte(idx_BT) + self.wpe(pos))
-        aux = torch.zeros((), device=idx_BT.device, dtype=torch.float32)
+        """Logits [B, T, V] (the last ``logits_to_keep`` columns when > 0), the loss when
+        ``targets`` are given, the summed auxiliary loss and each block's ffn output.
+
+        ``cache`` (decoding, from ``new_cache``): the T tokens are the next columns of the
+        cache's rows; their positions come from the cache (left padding excluded), the
+        keys/values are written into it, the MoE layers run their dropless ``infer`` (no
+        aux loss, no statistics, ``ffn_outputs`` empty) and the cache advances by T.
+        """
+        B, T = input_ids.shape
+        bs = self.config.block_size
+        if cache is None:
+            if T > bs:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {bs}")
+            pos = torch.arange(T, device=input_ids.device)
+            x = self.drop(self.wte(input_ids) + self.wpe(pos))
+        else:
+            if cache.longest(T) > bs:
+                raise ValueError(f"sequence of {cache.longest(T)} tokens exceeds block_size {bs}")
+            x = self.wte(input_ids) + self.wpe(cache.positions(T, limit=bs - 1))
+        aux = torch.zeros((), device=input_ids.device, dtype=torch.float32)
         ffn_outputs = []
-        for i, block in enumerate(self.blocks):
-            x, ffn_out = block(x, caches[i] if caches else None)
-            aux = aux + ffn_out.aux_loss.float()
-            ffn_outputs.append(ffn_out)
+        for block in self.blocks:
+            x, ffn_out = block(x, cache)
+            if ffn_out is not None:
+                aux = aux + ffn_out.aux_loss.float()
+                ffn_outputs.append(ffn_out)
+        if cache is not None:
+            cache.advance(T)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.ln_f(x))
         loss = None
-        if targets_BT is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets_BT.reshape(-1))
+        if targets is not None:
+            if logits_to_keep:
+                raise ValueError("targets need every column's logits: leave logits_to_keep at 0")
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return ModelOutput(logits, loss, aux, ffn_outputs)
 
-    def new_caches(self) -> list[KVCache]:
-        return [KVCache() for _ in self.blocks]
+    def new_cache(self, batch: int, max_len: int, starts: Sequence[int] | None = None) -> KVCache:
+        """An empty cache for ``batch`` rows of up to ``max_len`` columns, in the model's
+        dtype and device; row b's first ``starts[b]`` columns will be left padding."""
+        cfg, p = self.config, self.wte.weight
+        return KVCache.allocate(cfg.n_layer, batch, cfg.n_head, cfg.d_model // cfg.n_head,
+                                max_len, starts, p.dtype, p.device)

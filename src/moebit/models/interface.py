@@ -6,12 +6,15 @@ a base class: a model satisfies it by shape, and ``isinstance(model, CausalLM)``
 the members exist.
 
     out = model(input_ids_BT, targets_BT)   # ModelOutput: logits, loss, aux_loss, ffn_outputs
+    cache = model.new_cache(batch, max_len, starts)       # decoding: a models.kv_cache.KVCache
+    out = model(next_ids_BT, cache=cache, logits_to_keep=1)
     model.num_params(), model.num_expert_params()
     is_expert_param(p)                      # the one way to tell an expert parameter
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,7 +41,10 @@ class CausalLM(Protocol):
     ep_groups: Any  # moebit.moe.EPGroups when experts are sharded over ranks, else None
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: Any = None) -> ModelOutput: ...
+                cache: Any = None, logits_to_keep: int = 0) -> ModelOutput: ...
+
+    def new_cache(self, batch: int, max_len: int,
+                  starts: Sequence[int] | None = None) -> Any: ...
 
     def num_params(self) -> int: ...
 

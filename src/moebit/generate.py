@@ -1,0 +1,295 @@
+"""Batched KV-cache generation for dense, MoE and PR-MoE GPTs, on one rank or many.
+
+    model = load_model("runs/a")                       # moebit.loading: newest checkpoint of a run
+    texts = generate(model, ["def ", "class "], max_new_tokens=64, temperature=0)
+
+Decoding drives the model's own forward with a ``KVCache`` (``models.kv_cache``): the
+prompts of a batch are left-padded to one width, the cache is allocated once per batch
+([B, H, T_max, Dh] per block, written in place) and carries each row's padding and
+whether it is still live, so every row gets its own positions and key mask, and the
+blocks run their feed-forward (MoE ``infer``: dropless, no losses) only on real tokens of
+live rows. Nothing here computes attention, a block or an MoE layer.
+
+Routing never drops a token: ``MoE.infer`` routes every token, and ``dropless(model)``
+turns every gate dropless for code that calls the model's training forward (the
+validation loss, ``use_cache=False``): an expert's capacity is a training device; at
+inference a dropped token is a wrong token.
+
+Many ranks (``torch.distributed`` initialised, e.g. by ``moebit generate --nproc N``):
+the prompts are split across ranks (data parallel) and the texts gathered back, so every
+rank returns the full list. An expert-parallel model (built with ``ep_size > 1``) holds
+E/ep experts per rank and its MoE layers exchange tokens over all-to-all inside every
+forward, so all ranks must run the same number of forwards: each global step every rank
+runs one (a prefill, a decode step, or an empty forward of a zero-row batch that only
+serves its experts), and a one-int allreduce per step tells everyone whether any rank
+still has work. A rank whose sequences are finished keeps serving until then (DeepSpeed
+hangs there, #6634).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moebit.models.gpt import GPT
+from moebit.moe import TopKGate
+
+NEWLINE = 10  # an empty prompt starts from a newline byte
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@contextmanager
+def dropless(model: torch.nn.Module) -> Iterator[None]:
+    """Every MoE gate of ``model`` routes every token while inside; settings restored after."""
+    saved = [(g.config, g.config.drop_tokens) for g in model.modules() if isinstance(g, TopKGate)]
+    for c, _ in saved:
+        c.drop_tokens = False
+    try:
+        yield
+    finally:
+        for c, old in saved:
+            c.drop_tokens = old
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _idle_forward(model: GPT) -> None:
+    """Serve this rank's experts for one step with no tokens of its own (expert parallel):
+    the model's forward on a zero-row batch, whose MoE layers still join the all-to-all."""
+    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=model.wte.weight.device)
+    model(empty_01, cache=model.new_cache(0, 1), logits_to_keep=1)
+
+
+def _sample(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
+            gens: Sequence[torch.Generator]) -> list[int]:
+    if temperature == 0:
+        return logits_BV.argmax(-1).tolist()
+    logits_BV = logits_BV.cpu() / temperature
+    if top_k is not None and top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    # one generator per prompt: a prompt's text does not depend on its batch or rank
+    return [int(torch.multinomial(probs_BV[i], 1, generator=g)) for i, g in enumerate(gens)]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens of each prompt, in prompt order
+    prefill_s: float = 0.0  # this rank's time in prefill forwards
+    decode_s: float = 0.0  # this rank's time in decode forwards (sampling included)
+    decode_steps: int = 0  # decode forwards this rank ran with live rows
+    global_steps: int = 0  # forwards run in lockstep (expert parallel), idle ones included
+    per_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
+
+
+class _BatchRun:
+    """One mini-batch of prompts being decoded: left-padded ids, its cache, per-row state."""
+
+    def __init__(self, model: GPT, prompts: list[list[int]], budgets: list[int],
+                 gens: list[torch.Generator], stop: bytes | None) -> None:
+        dev = model.wte.weight.device
+        self.model, self.budgets, self.gens, self.stop = model, budgets, gens, stop
+        tmax = max(len(p) for p in prompts)
+        self.cache = model.new_cache(len(prompts), tmax + max(budgets),
+                                     starts=[tmax - len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), tmax, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, tmax - len(p):] = torch.tensor(p, device=dev)
+        self.ids_BT = ids  # the prompts, then the last token of each row
+        self.new: list[list[int]] = [[] for _ in prompts]
+        self.live = [b > 0 for b in budgets]
+        for i, alive in enumerate(self.live):
+            if not alive:
+                self.cache.finish(i)
+        self.prefilled = False
+
+    @property
+    def done(self) -> bool:
+        return not any(self.live)
+
+    def step(self, temperature: float, top_k: int | None) -> None:
+        """One forward (the prefill, then one decode step each call) and one token per live row."""
+        logits_BV = self.model(self.ids_BT, cache=self.cache, logits_to_keep=1).logits[:, -1]
+        self.prefilled = True
+        nxt = _sample(logits_BV.float(), temperature, top_k, self.gens)
+        for i, tok in enumerate(nxt):
+            if not self.live[i]:
+                continue
+            self.new[i].append(tok)
+            if len(self.new[i]) >= self.budgets[i] or (
+                self.stop and bytes(self.new[i][-len(self.stop):]) == self.stop
+            ):
+                self.live[i] = False
+                self.cache.finish(i)
+        last = [r[-1] if r else 0 for r in self.new]
+        self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _any_rank_busy(busy: bool) -> bool:
+    t = torch.tensor([1 if busy else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+    batch_size: int = 32,
+    stop: bytes | None = None,
+    shard: bool | None = None,
+) -> GenerationResult:
+    """Token-level generation; see ``generate``. Prompts are lists of byte ids."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    bs = model.config.block_size
+    ids_all = [list(p)[-(bs - 1):] or [NEWLINE] for p in prompts]
+    budgets_all = [min(max_new_tokens, bs - len(p)) for p in ids_all]
+    distributed = _is_distributed()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    if shard is None:
+        shard = distributed
+    mine = list(range(len(ids_all)))
+    if shard and world > 1:
+        per = -(-len(ids_all) // world)
+        mine = mine[rank * per:(rank + 1) * per]
+    runs = (
+        _BatchRun(model, [ids_all[j] for j in chunk], [budgets_all[j] for j in chunk],
+                  [torch.Generator().manual_seed(seed * 1_000_003 + j) for j in chunk], stop)
+        for chunk in (mine[i:i + batch_size] for i in range(0, len(mine), batch_size))
+    )
+    res = GenerationResult(tokens=[])
+    was_training = model.training
+    model.eval()
+    try:
+        out = _decode(model, mine, runs, distributed and model.ep_groups is not None,
+                      temperature, top_k, res)
+    finally:
+        model.train(was_training)
+    if shard and world > 1:
+        gathered: list[dict[int, list[int]] | None] = [None] * world
+        dist.all_gather_object(gathered, out)
+        for g in gathered:
+            out.update(g or {})
+    res.tokens = [out[j] for j in range(len(ids_all))]
+    return res
+
+
+def _decode(model: GPT, mine: list[int], runs: Iterator[_BatchRun], lockstep: bool,
+            temperature: float, top_k: int | None, res: GenerationResult) -> dict[int, list[int]]:
+    """Decode the mini-batches one after another; each global step is one forward.
+
+    ``lockstep`` (expert parallel across ranks): every rank runs a forward per step, an
+    empty one when it has nothing left, until the allreduce says no rank is busy.
+    """
+    new: list[list[int]] = []  # new tokens of ``mine``'s prompts, in order
+    run: _BatchRun | None = None
+    while True:
+        while run is None or run.done:
+            if run is not None:
+                new += run.new
+            run = next(runs, None)
+            if run is None:
+                break
+        busy = run is not None
+        if not (_any_rank_busy(busy) if lockstep else busy):
+            break
+        res.global_steps += 1
+        if run is None:
+            _idle_forward(model)
+            continue
+        t0 = time.perf_counter()
+        prefill = not run.prefilled
+        run.step(temperature, top_k)
+        dt = time.perf_counter() - t0
+        if prefill:
+            res.prefill_s += dt
+        else:
+            res.decode_s += dt
+            res.decode_steps += 1
+            res.per_step_s.append(dt)
+    return dict(zip(mine, new, strict=True))
+
+
+def generate(
+    model: GPT,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+    use_cache: bool = True,
+    batch_size: int = 32,
+    stop: str | None = None,
+    shard: bool | None = None,
+) -> list[str]:
+    """Continue each prompt; returns the continuations (without the prompt), in order.
+
+    ``temperature=0`` is greedy. Sampling uses one generator per prompt (seeded from
+    ``seed`` and the prompt's index), so a prompt's text does not depend on the batch it
+    was decoded in, nor on the rank. ``batch_size`` prompts are decoded together;
+    ``stop``: a row ends once its text ends with this string (kept in the output).
+    ``shard`` (default: whenever a process group of more than one rank is up): split the
+    prompts across ranks and gather the texts; every rank must call with the same prompts.
+    ``use_cache=False`` recomputes the whole sequence every step, one prompt at a time,
+    through the model's own forward (slow: the reference the cache is tested against).
+    """
+    ids = [list(p.encode("utf-8")) for p in prompts]
+    stop_b = stop.encode("utf-8") if stop else None
+    if use_cache:
+        toks = generate_tokens(model, ids, max_new_tokens, temperature, top_k, seed,
+                               batch_size, stop_b, shard).tokens
+    else:
+        toks = _generate_recompute(model, ids, max_new_tokens, temperature, top_k, seed, stop_b)
+    return [bytes(t).decode("utf-8", errors="replace") for t in toks]
+
+
+@torch.no_grad()
+def _generate_recompute(model: GPT, prompts: list[list[int]], max_new_tokens: int,
+                        temperature: float, top_k: int | None, seed: int,
+                        stop: bytes | None) -> list[list[int]]:
+    """No cache, no batching, no sharding: every rank runs every prompt the same way."""
+    bs = model.config.block_size
+    dev = model.wte.weight.device
+    was_training = model.training
+    model.eval()
+    outs = []
+    try:
+        with dropless(model):
+            for j, p in enumerate(prompts):
+                ids = list(p)[-(bs - 1):] or [NEWLINE]
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + j)
+                new: list[int] = []
+                for _ in range(min(max_new_tokens, bs - len(ids))):
+                    idx = torch.tensor([ids + new], device=dev)
+                    logits = model(idx).logits[:, -1].float()
+                    new.append(_sample(logits, temperature, top_k, [gen])[0])
+                    if stop and bytes(new[-len(stop):]) == stop:
+                        break
+                outs.append(new)
+    finally:
+        model.train(was_training)
+    return outs

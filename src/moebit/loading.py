@@ -1,0 +1,85 @@
+"""A trained model from a run or checkpoint folder, ready for generation or evaluation.
+
+    model = load_model("runs/a")                          # newest complete checkpoint, eval mode
+    model = load_model("runs/a/checkpoints/step-00000400", ep_size=2, rank=r)
+
+A bad path is a ``CheckpointError`` saying what was found: a missing folder, a file, a
+run with no complete checkpoint, a corrupted shard (named), or another model type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moebit.checkpoint import MANIFEST, CheckpointError, latest, read_manifest
+from moebit.checkpoint.train_state import load_model_weights
+from moebit.models.gpt import GPT, GPTConfig
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run folder (its newest complete checkpoint) or a checkpoint folder, else a clear error."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist")
+    if p.is_file():
+        raise CheckpointError(
+            f"{p} is a file, not a moebit run or checkpoint folder (expected RUN/ or "
+            f"RUN/checkpoints/step-N/ holding {MANIFEST})"
+        )
+    if (p / MANIFEST).is_file():
+        return p
+    if (p / "checkpoints").is_dir() or (p / "config.json").is_file():
+        d = latest(p)
+        if d is None:
+            raise CheckpointError(f"run {p} has no complete checkpoint (none with a {MANIFEST})")
+        return d
+    raise CheckpointError(
+        f"{p} is not a moebit run or checkpoint folder: no {MANIFEST}, config.json or checkpoints/"
+    )
+
+
+def model_config_of(manifest: dict, where: Path) -> GPTConfig:
+    """The GPTConfig saved in a manifest; another kind of checkpoint is named as such."""
+    mc = manifest.get("model_config")
+    if not isinstance(mc, dict) or "ep_size" not in manifest or "files" not in manifest:
+        raise CheckpointError(
+            f"{where / MANIFEST} is not a moebit GPT checkpoint (no model_config / ep_size / files)"
+        )
+    try:
+        return GPTConfig(**mc)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} holds another model type: its model_config does not "
+                              f"describe a moebit GPT ({e})") from None
+
+
+def load_model(
+    path: str | Path, ep_size: int = 1, rank: int = 0, dtype: torch.dtype | None = None
+) -> GPT:
+    """Build the GPT a checkpoint was saved from and load its weights, in eval mode.
+
+    ``ep_size > 1`` splits every MoE layer's experts over that many ranks (the process
+    group must be initialised; call on every rank); this rank keeps the slice of
+    ``rank % ep_size``. Raises ``CheckpointError`` naming the problem for a missing,
+    incomplete, corrupted or foreign checkpoint.
+    """
+    d = resolve_checkpoint(path)
+    manifest = read_manifest(d)
+    cfg = model_config_of(manifest, d)
+    if cfg.is_moe:
+        cfg.moe = cfg.moe.replace(ep_size=ep_size)
+    elif ep_size > 1:
+        raise ValueError(f"{d} holds a dense model: expert parallelism (ep_size {ep_size}) needs experts")
+    model = GPT(cfg)
+    try:
+        load_model_weights(d, manifest, model, rank, ep_size if cfg.is_moe else 1)
+    except KeyError as e:
+        raise CheckpointError(f"{d} is not a moebit GPT checkpoint (missing entry {e})") from None
+    except RuntimeError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{d} holds weights of another model: {str(e).splitlines()[0]}") from None
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
