@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebit.moe import MoE
+from moebit.moe.experts import Experts
+
 SMALL_ROWS = 16  # at most this many rows of one expert: the int8 kernel; more: dequantize
 
 
@@ -134,8 +137,6 @@ class QuantizeReport:
 
 def quantize_experts_(model: nn.Module, kernel: str = "auto") -> QuantizeReport:
     """Replace every MoE layer's ``Experts`` by ``Int8Experts`` in place; dense layers untouched."""
-    from moebit.moe import MoE
-    from moebit.moe.experts import Experts
 
     layers = before = after = 0
     for m in model.modules():

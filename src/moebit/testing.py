@@ -23,11 +23,15 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 class RankFailed(RuntimeError):
@@ -48,8 +52,6 @@ def _child(
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     try:
-        import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(int(env.get("MOEBIT_TEST_THREADS", "1")))
         device = None
@@ -169,7 +171,6 @@ def run_on_ranks(
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun rendezvous)."""
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

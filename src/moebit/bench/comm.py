@@ -39,6 +39,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from moebit.bench.netns import ShapedLinkUnavailable, _require_tools, parse_rate, run_in_shaped_netns
+from moebit.comm import bitpack, stats
+from moebit.comm.collectives import all_gather_flat
+from moebit.comm.compressed import OnebitAllreduce, padded_length
+from moebit.comm.hooks import OnebitHookState, onebit_hook
+from moebit.testing import free_port
+
 METHODS = ("fp32", "fp16", "onebit", "onebit-wire", "powersgd", "onebit-ddp")
 
 
@@ -100,11 +114,7 @@ def _matrix_shape(n: int) -> tuple[int, int]:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
 
-    from moebit.comm import stats
-    from moebit.comm.compressed import OnebitAllreduce
 
     torch.set_num_threads(args.threads)
     world = int(os.environ["WORLD_SIZE"])
@@ -117,7 +127,6 @@ def _worker(args: argparse.Namespace) -> None:
     results = []
     bar = None
     if rank == 0:
-        from tqdm import tqdm
 
         bar = tqdm(total=len(args.sizes) * len(args.methods), desc=f"{world} ranks",
                    file=sys.stderr, leave=True)
@@ -150,7 +159,6 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _device_and_backend(device: str, backend: str, world: int, local_rank: int):
     """This rank's device and the process-group backend for ``--device`` / ``--backend``."""
-    import torch
 
     if device == "cpu":
         if backend == "nccl":
@@ -165,14 +173,12 @@ def _device_and_backend(device: str, backend: str, world: int, local_rank: int):
 
 
 def _sync(dev) -> None:
-    import torch
 
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 def _time(step, warmup: int, reps: int, stats, dist, dev=None) -> tuple[list[float], float]:
-    import torch
 
     dev = dev or torch.device("cpu")
     for _ in range(warmup):
@@ -194,11 +200,7 @@ def _time(step, warmup: int, reps: int, stats, dist, dev=None) -> tuple[list[flo
 
 
 def _make_step(method: str, x, world: int) -> Callable[[], None]:
-    import torch
-    import torch.distributed as dist
 
-    from moebit.comm import stats
-    from moebit.comm.compressed import OnebitAllreduce, padded_length
 
     n = x.numel()
     if method in ("fp32", "fp16"):
@@ -227,7 +229,6 @@ def _make_step(method: str, x, world: int) -> Callable[[], None]:
         recv, send2, recv2 = torch.empty_like(send), send[0].clone(), torch.empty_like(send)
         mine = torch.tensor([n], device=x.device)
         every = torch.empty(world, dtype=torch.int64, device=x.device)
-        from moebit.comm.collectives import all_gather_flat
 
         def wire() -> None:
             t0 = time.perf_counter()
@@ -243,12 +244,7 @@ def _make_step(method: str, x, world: int) -> Callable[[], None]:
 
 def _ddp_step(method: str, x, world: int) -> Callable[[], None]:
     """One DDP backward over a single [rows, cols] parameter whose gradient is x."""
-    import torch
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from moebit.comm import stats
-    from moebit.comm.hooks import OnebitHookState, onebit_hook
 
     class Inject(torch.autograd.Function):
         """Forward: a scalar; backward: hands ``g`` to the parameter as its gradient.
@@ -305,7 +301,6 @@ def _ddp_step(method: str, x, world: int) -> Callable[[], None]:
 
 
 def _launch(args: argparse.Namespace, world: int, out_file: str) -> None:
-    from moebit.testing import free_port
 
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
@@ -318,7 +313,6 @@ def _launch(args: argparse.Namespace, world: int, out_file: str) -> None:
     ]
     env = {"OMP_NUM_THREADS": str(args.threads)}
     if args.link:
-        from moebit.bench.netns import run_in_shaped_netns
 
         res = run_in_shaped_netns(argv, args.link, env=env, timeout=args.timeout)
     else:
@@ -358,10 +352,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _bitpack_cases(n: int) -> dict[str, Callable[[], object]]:
-    import numpy as np
-    import torch
 
-    from moebit.comm import bitpack
 
     x = torch.randn(n)
     packed = bitpack.pack_signs(x)
@@ -378,9 +369,7 @@ def _bitpack_cases(n: int) -> dict[str, Callable[[], object]]:
 
 def _bitpack_bench(args: argparse.Namespace) -> int:
     """Elements per second of pack and unpack on one thread (the issue's 3 G/s target)."""
-    import torch
 
-    from moebit.comm import bitpack
 
     torch.set_num_threads(1)
     rows = []
@@ -407,7 +396,6 @@ def _bitpack_bench(args: argparse.Namespace) -> int:
 
 
 def _torch_version() -> str:
-    import torch
 
     return torch.__version__
 
@@ -420,7 +408,6 @@ def main(argv: list[str]) -> int:
     if args.bitpack:
         return _bitpack_bench(args)
     if args.device == "cuda" or args.backend == "nccl":
-        import torch
 
         if args.device != "cuda" or not torch.cuda.is_available():
             why = ("--backend nccl needs --device cuda" if args.device != "cuda"
@@ -428,7 +415,6 @@ def main(argv: list[str]) -> int:
             print(f"moebit bench comm: {why}", file=sys.stderr)
             return 2
     if args.link:
-        from moebit.bench.netns import ShapedLinkUnavailable, _require_tools, parse_rate
 
         try:  # fail before any rank starts; never run unshaped
             parse_rate(args.link)

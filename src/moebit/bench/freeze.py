@@ -20,6 +20,12 @@ from typing import Any
 
 import torch
 
+from moebit.comm import collectives, stats
+from moebit.data import TrainBatches, load_corpus, val_batches
+from moebit.models.gpt import GPT, GPTConfig
+from moebit.optim import AutoFreeze, OnebitAdam
+from moebit.testing import run_on_ranks
+
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
 
 
@@ -33,10 +39,6 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 def _run_all(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
     """On each rank: every configuration in turn, the same seed and data for each."""
-    from moebit.comm import collectives, stats
-    from moebit.data import TrainBatches, load_corpus, val_batches
-    from moebit.models.gpt import GPT, GPTConfig
-    from moebit.optim import AutoFreeze, OnebitAdam
 
     corpus = load_corpus(opts["data"])
     train = corpus.train[: int(opts["data_mb"] * 2**20)]
@@ -88,7 +90,6 @@ def _run_all(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moebit.optim import AutoFreeze
 
     ap = argparse.ArgumentParser(prog="python -m moebit.bench.freeze", description=__doc__)
     ap.add_argument("--world", type=int, default=2)
@@ -113,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    from moebit.testing import run_on_ranks
 
     auto = {
         "window": args.auto_window, "threshold": args.auto_threshold,

@@ -42,9 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebit.config import build
+from moebit.data import load_corpus, val_batches
 from moebit.generate import dropless, generate_tokens
 from moebit.loading import load_model
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.moe import MoE, ResidualMoE
+from moebit.moe.experts import Experts
+from moebit.quantize import Int8Experts, quantize_experts_
+from moebit.testing import run_on_ranks
 
 # ----------------------------------------------------------------------------- baseline
 
@@ -104,7 +110,6 @@ class _OneHotResidual(nn.Module):
 @contextmanager
 def onehot_dispatch(model: GPT) -> Iterator[None]:
     """Run the model's MoE blocks through the one-hot baseline inside; restored after."""
-    from moebit.moe import MoE, ResidualMoE
 
     saved = []
     for block in model.blocks:
@@ -123,8 +128,6 @@ def onehot_dispatch(model: GPT) -> Iterator[None]:
 
 
 def expert_bytes(model: nn.Module) -> int:
-    from moebit.moe.experts import Experts
-    from moebit.quantize import Int8Experts
 
     total = 0
     for m in model.modules():
@@ -137,8 +140,6 @@ def expert_bytes(model: nn.Module) -> int:
 
 def variants(base: GPT, formats: list[str]) -> dict[str, GPT]:
     """One model per expert format; "bf16" casts the experts only, "int8" quantizes them."""
-    from moebit.moe.experts import Experts
-    from moebit.quantize import quantize_experts_
 
     out = {}
     for fmt in formats:
@@ -225,7 +226,6 @@ def timing_table(models: dict[str, GPT], a: argparse.Namespace) -> list[dict[str
 def _ranks_body(rank: int, world: int, a_dict: dict[str, Any]) -> list[dict[str, Any]]:
     a = argparse.Namespace(**a_dict)
     torch.set_num_threads(1)
-    from moebit.quantize import quantize_experts_
 
     int8 = build_model(a, ep_size=world, rank=rank)  # process groups cannot be deep-copied
     quantize_experts_(int8)
@@ -245,7 +245,6 @@ def _ranks_body(rank: int, world: int, a_dict: dict[str, Any]) -> list[dict[str,
 def ranks_table(a: argparse.Namespace, rounds: int = 2) -> list[dict[str, Any]]:
     """1 rank against ``a.ranks`` expert-parallel ranks, all in fresh processes of 1 thread,
     alternated round by round (1, N, 1, N) so that both meet the same machine load."""
-    from moebit.testing import run_on_ranks
 
     got: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for _ in range(rounds):
@@ -270,9 +269,6 @@ def val_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 
 
 def quality(a: argparse.Namespace, models: dict[str, GPT]) -> dict[str, Any]:
-    from moebit.config import build
-    from moebit.data import load_corpus, val_batches
-    from moebit.quantize import quantize_experts_
 
     cfg = build(json.loads((Path(a.run) / "config.json").read_text()))
     corpus = load_corpus(cfg.data)

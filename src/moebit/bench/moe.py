@@ -59,10 +59,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moebit.bench.moe_gated import FLOOR_OF, GATED_BUILDERS, GATED_IMPLS, summarize
+from moebit.moe import MoE, MoEConfig, plan_dispatch
+from moebit.testing import free_port
 
 IMPLS = ("lower_bound", "moebit", "moebit_loop", "moebit_padded", "moebit_grouped",
          "onehot_baseline", "deepspeed", "fairscale", *GATED_IMPLS)
@@ -72,7 +75,6 @@ Step = Callable[[], list[torch.Tensor]]  # runs a forward, returns the outputs t
 
 
 def _moe_config(spec: dict[str, Any]):  # -> MoEConfig (imported lazily)
-    from moebit.moe import MoEConfig
 
     return MoEConfig(
         num_experts=spec["experts"], num_experts_per_tok=spec["k"],
@@ -82,7 +84,6 @@ def _moe_config(spec: dict[str, Any]):  # -> MoEConfig (imported lazily)
 
 
 def _ours(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
-    from moebit.moe import MoE
 
     torch.manual_seed(0)
     moe = MoE(spec["d_model"], _moe_config(spec)).to(device=x.device, dtype=x.dtype)
@@ -99,7 +100,6 @@ def _ours_kernel(kernel: str) -> Callable[..., tuple[Step, nn.Module]]:
 
 def _lower_bound(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module]:
     """Router + per-expert MLPs on pre-gathered blocks of exactly the kept tokens."""
-    from moebit.moe import plan_dispatch
 
     torch.manual_seed(0)
     _, moe = _ours(spec, x)
@@ -158,9 +158,7 @@ def _onehot_baseline(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Mo
 
 
 def _init_single_rank_gloo() -> None:
-    import torch.distributed as dist
 
-    from moebit.testing import free_port
 
     if not dist.is_initialized():
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),

@@ -7,7 +7,10 @@ uses ``torch.load(weights_only=True)``, which never unpickles code.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -76,7 +79,6 @@ FORMAT_VERSION = 1
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:
-    import hashlib
 
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -94,14 +96,12 @@ def shard_name(rank: int) -> str:
 
 
 def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
-    import json
 
     manifest = {"format": FORMAT_VERSION, **manifest}
     write_text_atomic(json.dumps(manifest, indent=2) + "\n", ckpt_dir / MANIFEST)
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
-    import json
 
     path = ckpt_dir / MANIFEST
     try:
@@ -146,7 +146,6 @@ def latest(run_dir: str | os.PathLike[str]) -> Path | None:
 
 def prune(run_dir: str | os.PathLike[str], keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints (and stale partial ones)."""
-    import shutil
 
     complete = list_complete(run_dir)
     newest = complete[-1] if complete else None

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from moebit.comm import collectives
+from moebit.comm.compressed import OnebitAllreduce
 
 CHUNK = 1 << 18  # elements per temporary in element-wise updates (1 MiB of fp32)
 
@@ -400,7 +401,6 @@ class CompressedOptimizer(Optimizer):
     def _compressor(self, gi: int) -> Any:
         comp = self._compressors.get(gi)
         if comp is None:
-            from moebit.comm.compressed import OnebitAllreduce
 
             comp = self._compressors[gi] = OnebitAllreduce(group=self._group_pg(self.param_groups[gi]))
         return comp
