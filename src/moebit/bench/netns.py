@@ -3,7 +3,7 @@
 Why: the ranks of a benchmark on one machine talk over loopback at tens of GB/s, which hides
 what compression buys on a real network. Inside a fresh namespace, all ranks talk to
 127.0.0.1 through a token bucket (``tc ... tbf``) at the given rate, so every flow shares
-one commodity link (DESIGN.md section 5). Needs root and iproute2 (``ip``, ``tc``) on Linux;
+one commodity link (docs/benchmarks.md, "Shaped link"). Needs root and iproute2 (``ip``, ``tc``) on Linux;
 without them this raises ``ShapedLinkUnavailable`` rather than running unshaped. The
 namespace is deleted afterwards, whatever happens.
 

@@ -1,6 +1,6 @@
 """Error-compensated 1-bit allreduce over any torch.distributed process group.
 
-The two-phase scheme of 1-bit Adam (DESIGN.md section 3), with worker and server error
+The two-phase scheme of 1-bit Adam (docs/optimizers.md), with worker and server error
 feedback, using only ``all_to_all_single`` and ``all_gather`` so it runs on gloo (CPU),
 NCCL (GPU) and MPI alike:
 

@@ -7,7 +7,7 @@ counts are exchanged first (a tiny all_to_all) and both token exchanges use
 ``all_to_all_single`` with those uneven split sizes, where DeepSpeed sends a padded
 [E, capacity, d] buffer. Gloo supports uneven and zero-sized splits (tested).
 
-Groups (DESIGN section 6): expert-parallel groups are blocks of ep_size consecutive
+Groups: expert-parallel groups are blocks of ep_size consecutive
 ranks; expert-data-parallel groups stride across them and hold the replicas of the same
 experts. Expert gradients are averaged over the expert-dp group, all others over the world.
 """

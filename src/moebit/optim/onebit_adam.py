@@ -1,6 +1,6 @@
 """1-bit Adam: exact Adam during warm-up, then only 1-bit momentum crosses the network.
 
-Algorithm (DESIGN.md section 4; Tang et al. 2021, arXiv:2102.02888):
+Algorithm (docs/optimizers.md; Tang et al. 2021, arXiv:2102.02888):
 
 - warm-up (steps 1..freeze_step): Adam(W) on gradients averaged over each param group's
   process group. Standalone, the optimizer averages them itself with one bucketed exact

@@ -1,6 +1,6 @@
 """1-bit LAMB: exact LAMB warm-up, then 1-bit momentum with a frozen, corrected trust ratio.
 
-Algorithm (DESIGN.md section 4; Li et al. 2021, arXiv:2104.06069), per param group:
+Algorithm (docs/optimizers.md; Li et al. 2021, arXiv:2104.06069), per param group:
 
 - warm-up (steps 1..freeze_step): LAMB (``moebit.optim.lamb``) on exactly averaged
   gradients; the per-parameter trust ratios, clipped to [min_coeff, max_coeff], feed an

@@ -1,6 +1,6 @@
 """0/1 Adam: adaptive variance freezing, then local steps with 1-bit synchronisation.
 
-Algorithm (DESIGN.md section 4; Lu et al. 2022, arXiv:2202.06009), per param group:
+Algorithm (docs/optimizers.md; Lu et al. 2022, arXiv:2202.06009), per param group:
 
 - stage 1 (steps 1..var_freeze_step): on steps where ``step % var_interval == 0`` the
   gradients are averaged EXACTLY and both m and v are updated (a "variance refresh");
