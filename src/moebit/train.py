@@ -319,11 +319,24 @@ def run(cfg: TrainConfig, run_dir: Path,
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    """Rank 0 prints the end record (as JSON) and the samples."""
+    """Rank 0 prints one readable line (the whole record is metrics.jsonl's last line) and
+    the samples."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k != "samples"}))
+        print(summary_line(summary))
         for s in summary.get("samples", []):
             print("---\n" + s)
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    parts = [f"{s['steps']} steps", f"val loss {s['val_loss']:.4f} nats/byte "
+             f"({s['val_loss'] / math.log(2):.3f} bits/byte)",
+             f"{s['n_params'] / 1e6:.2f}M params", f"{s['tokens_per_s']:.0f} tokens/s",
+             f"{s['bytes_sent'] / 1e6:.1f} MB sent per rank", f"{s['train_time']:.1f} s training"]
+    if s.get("frozen_at"):
+        parts.append(f"variance frozen at step {s['frozen_at']}")
+    if s.get("nan_skipped"):
+        parts.append(f"{s['nan_skipped']} non-finite steps skipped")
+    return "moebit: finished: " + ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
