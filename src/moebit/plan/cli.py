@@ -52,6 +52,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     s.add_argument("--optimizers", default="adam,onebit_adam")
     s.add_argument("--micro-batch", type=int, help="sequences per device per step")
     s.add_argument("--global-batch", type=int, help="sequences per step over all devices")
+    s.add_argument("--grad-accum", type=int, default=1, help="passes per optimizer step")
     s.add_argument("--seq-len", type=int, default=0)
     s.add_argument("--steps", type=int)
     s.add_argument("--freeze-step", type=int, help="default: 20%% of the steps")
@@ -68,6 +69,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="compare a `moebit bench train` JSON with predictions, row by row")
     ap.add_argument("--calibration", metavar="FILE", help="rates saved by an earlier --calibrate")
     ap.add_argument("--save-calibration", metavar="FILE")
+    ap.add_argument("--papers", action="store_true",
+                    help="print the model against the papers' published figures")
     return ap
 
 
@@ -147,16 +150,17 @@ def _setup(args: argparse.Namespace, cluster: ClusterSpec, cfg: Any) -> Setup:
     if args.global_batch is not None:
         if micro is not None:
             raise SpecError("setup: give --micro-batch or --global-batch, not both")
-        if args.global_batch % cluster.world:
+        per = cluster.world * args.grad_accum
+        if args.global_batch % per:
             raise SpecError(f"setup.global_batch: {args.global_batch} is not a multiple of "
-                            f"the {cluster.world} devices")
-        micro = args.global_batch // cluster.world
+                            f"devices x grad_accum = {per}")
+        micro = args.global_batch // per
     steps = args.steps or (cfg.steps if cfg else 1000)
     freeze = args.freeze_step
     if freeze is None and cfg is not None and isinstance(cfg.freeze_step, int):
         freeze = cfg.freeze_step
     return Setup(micro_batch=micro or (cfg.batch_size if cfg else 16), seq_len=args.seq_len,
-                 steps=steps, freeze_step=freeze,
+                 grad_accum=args.grad_accum, steps=steps, freeze_step=freeze,
                  ep_size=args.ep_size or (cfg.ep_size if cfg else 1),
                  grad_bytes=_BYTES[args.grad_dtype], a2a_bytes=_BYTES[args.a2a_dtype],
                  hierarchical_a2a=args.hierarchical_a2a, overlap=args.overlap)
@@ -176,6 +180,13 @@ def run_plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     if args.validate:
         return run_validate(args)
+    if args.papers:
+        from moebit.plan.papers import format_papers, moe_vs_dense, speedups, table1
+
+        print(format_papers())
+        _write_json(args.json, {"table1": table1(), "speedups": speedups(),
+                                "moe_vs_dense": moe_vs_dense()})
+        return 0
     if not args.model:
         raise SpecError("--model: required (a preset, a moebit config or an HF config.json)")
     model, cfg = load_model(args.model)

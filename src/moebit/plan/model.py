@@ -38,7 +38,8 @@ BUCKET_BYTES = 64 << 20  # moebit.distributed.allreduce_mean_
 
 @dataclass
 class Setup:
-    micro_batch: int = 16  # sequences per rank per step
+    micro_batch: int = 16  # sequences per rank per forward/backward
+    grad_accum: int = 1  # forward/backward passes per optimizer step (one exchange each step)
     seq_len: int = 0  # 0: the model's
     steps: int = 1000
     freeze_step: int | None = None  # None: 20% of the steps, as moebit train
@@ -52,7 +53,7 @@ class Setup:
     local_step_clipper: int = 16
 
     def check(self, world: int, model: ModelSpec) -> None:
-        for key in ("micro_batch", "steps", "ep_size", "grad_bytes", "a2a_bytes",
+        for key in ("micro_batch", "grad_accum", "steps", "ep_size", "grad_bytes", "a2a_bytes",
                     "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -151,17 +152,19 @@ def step_costs(model: ModelSpec, c: ClusterSpec, s: Setup) -> dict[str, StepCost
     seq = s.seq_len or model.seq_len
     tokens = s.micro_batch * seq
     held = model.dense_params() + model.expert_total_params() // s.ep_size
-    compute = model.train_flops_per_token() * tokens / c.flops + held / c.update_rate
+    passes = model.train_flops_per_token() * tokens / c.flops
+    compute = passes * s.grad_accum + held / c.update_rate
     world = coll.group_of(c, w)
     edp = coll.group_of(c, w // s.ep_size, stride=s.ep_size)
     experts_local = model.expert_total_params() // s.ep_size
     a2a_t, a2a_b = _a2a(c, model, s, tokens)
+    a2a_t, a2a_b = a2a_t * s.grad_accum, a2a_b * s.grad_accum
     nan_t, _ = coll.ring_allreduce(c, world, 4)
     nan_b = (2 * (w - 1) * 4) // w
 
     t_dense, b_dense = _bucketed_allreduce(c, world, model.dense_params() * s.grad_bytes)
     t_exp, b_exp = _bucketed_allreduce(c, edp, experts_local * s.grad_bytes) if experts_local else (0.0, 0.0)
-    backward = compute * 2.0 / 3.0
+    backward = passes * 2.0 / 3.0  # the last pass's backward (overlap hides behind it)
     exact_comm = max(0.0, t_dense + t_exp - s.overlap * backward) + a2a_t
 
     o_dense = coll.onebit_allreduce(c, world, model.dense_params())
@@ -187,7 +190,7 @@ def predict(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
         raise SpecError(f"setup.window: ({lo}, {hi}) is not inside steps 1..{s.steps}")
     sel = kinds[lo - 1:hi]
     seq = s.seq_len or model.seq_len
-    tokens_step = s.micro_batch * seq * c.world
+    tokens_step = s.micro_batch * s.grad_accum * seq * c.world
     step_s = sum(costs[k].seconds for k in sel) / len(sel)
     counts = {k: kinds.count(k) for k in ("exact", "onebit", "local")}
     run_s = sum(costs[k].seconds * n for k, n in counts.items())

@@ -7,10 +7,10 @@ Sources (cited in docs/plan.md):
   positions. 1-bit Adam (Tang et al. 2021) pre-trains it at sequence length 128 (and 512).
 - GPT-style dense bases and MoE variants: Rajbhandari et al. 2022, "DeepSpeed-MoE",
   section 3 (Table 1 / Table 4): 350M (24 layers, hidden 1024, 16 heads), 1.3B (24 layers,
-  hidden 2048, 16 heads), MoE-128 on every other layer: 350M+MoE-128 = 13B and
-  1.3B+MoE-128 = 52B; PR-MoE (residual MLP + experts; the last two MoE layers with twice
-  the experts): 350M+PR-MoE-32/64 = 4B, 1.3B+PR-MoE-64/128 = 31B. GPT-2 vocabulary
-  (50,257), sequence length 2048, top-1 gating.
+  hidden 2048, 16 heads), 6.7B (32 layers, hidden 4096, 32 heads), MoE-128 on every other
+  layer: 350M+MoE-128 = 13B and 1.3B+MoE-128 = 52B; PR-MoE (residual MLP + experts; the
+  last two MoE layers with twice the experts): 350M+PR-MoE-32/64 = 4B,
+  1.3B+PR-MoE-64/128 = 31B. GPT-2 vocabulary (50,257), sequence length 2048, top-1 gating.
 - Mixtral-8x7B: Jiang et al. 2024, "Mixtral of Experts", section 2: 47B total (46.7B on
   the model card), 13B active; its config.json shapes.
 """
@@ -58,6 +58,9 @@ PRESETS = {
     "bert-large": _bert_large,
     "gpt-350m": lambda: _gpt("gpt-350m", 1024, None, 350e6),
     "gpt-1.3b": lambda: _gpt("gpt-1.3b", 2048, None, 1.3e9),
+    "gpt-6.7b": lambda: ModelSpec("gpt-6.7b", 32, 4096, 32, 4 * 4096, _GPT2_VOCAB, 2048,
+                                  learned_positions=2048, published_params=6.7e9,
+                                  source="Rajbhandari et al. 2022, DeepSpeed-MoE, section 3"),
     "gpt-350m-moe128": lambda: _gpt("gpt-350m-moe128", 1024, _every_other(24, [128] * 12), 13e9),
     "gpt-1.3b-moe128": lambda: _gpt("gpt-1.3b-moe128", 2048, _every_other(24, [128] * 12), 52e9),
     "gpt-350m-pr-moe-32-64": lambda: _gpt("gpt-350m-pr-moe-32-64", 1024,
