@@ -93,3 +93,16 @@ def test_padded_length_matches_the_compressor() -> None:
 
     for n, w in [(1, 1), (7, 2), (1000, 4), (4097, 3), (0, 2)]:
         assert coll.padded_length(n, w) == padded_length(n, w)
+
+
+def test_concurrent_groups_share_the_node_link() -> None:
+    # 4 nodes x 8, ep 8: the 8 expert-dp groups (4 ranks, one per node) all cross each NIC
+    c = ClusterSpec(nodes=4, devices_per_node=8, intra_bw=1e11, intra_lat=0.0, inter_bw=1e9,
+                    inter_lat=0.0)
+    edp = coll.group_of(c, 4, stride=8)
+    assert (edp.per_node, edp.share) == (1, 8)
+    t, _ = coll.ring_allreduce(c, edp, 4 * MB)
+    assert t == pytest.approx(6 * 1 * MB / (1e9 / 8))
+    assert coll.group_of(c, 32).share == 1
+    shared = one_node(4, shared_link=True)
+    assert coll.group_of(shared, 2).share == 2  # two ep groups of 2 on one shaped link

@@ -69,6 +69,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="compare a `moebit bench train` JSON with predictions, row by row")
     ap.add_argument("--calibration", metavar="FILE", help="rates saved by an earlier --calibrate")
     ap.add_argument("--save-calibration", metavar="FILE")
+    ap.add_argument("--compute-from-first", action="store_true",
+                    help="with --validate: take the device rate from the first measured row's "
+                         "non-communication time (the host's load at that moment) instead of "
+                         "the calibrated step; the other rows stay predictions")
     ap.add_argument("--papers", action="store_true",
                     help="print the model against the papers' published figures")
     return ap
@@ -242,6 +246,10 @@ def run_validate(args: argparse.Namespace) -> int:
     if calib is None:
         raise SpecError("--validate: needs --calibrate or --calibration FILE")
     opts = [r["optimizer"] for r in measured["results"] if r["optimizer"] in OPTIMIZERS]
+    if args.compute_from_first:
+        first = measured["results"][0]
+        calib = {**calib, "model_step_s": first["step_s"] - first["comm_s_per_step"],
+                 "model_step_from": f"measured {first['optimizer']} row (step - comm)"}
     predicted = bench_predict(opts, measured["nproc"], measured["steps"], freeze_of(measured),
                               measured["measure_from"], measured["link"], measured["extra"], calib)
     rows = compare_rows(measured, predicted)

@@ -9,7 +9,8 @@ Time of a group of ``w`` ranks spread over ``nodes`` nodes (``g`` ranks per node
 - ring allreduce: 2(w-1) steps, each alpha + (n/w)/B, where B is the slowest edge of the
   ring: the node link when the ring leaves a node (one ring edge per node and direction),
   the device link otherwise. On a shared link every rank's chunk of a step queues on the
-  same link: w (n/w) / B per step.
+  same link: w (n/w) / B per step. Groups that run at once (the expert-data-parallel
+  groups, one per expert shard) divide a node link, or the shared link, between them.
 - all-to-all, flat (pairwise, as gloo and NCCL issue it): (w-1) alpha plus the busiest
   link's bytes over its rate: g (w-g) m through each node link, (g-1) m over each device
   link, w (w-1) m through a shared link.
@@ -40,10 +41,12 @@ def padded_length(n: int, world: int) -> int:
 
 @dataclass(frozen=True)
 class Group:
-    """``size`` ranks, ``per_node`` of them on each node they occupy."""
+    """``size`` ranks, ``per_node`` of them on each node they occupy; ``share`` groups of
+    this kind run at once over each node link (or over the one shared link)."""
 
     size: int
     per_node: int
+    share: int = 1
 
     @property
     def nodes(self) -> int:
@@ -55,7 +58,9 @@ def group_of(cluster: ClusterSpec, size: int, stride: int = 1) -> Group:
     across the expert-parallel blocks, moe/parallel.py)."""
     g = cluster.devices_per_node
     per_node = max(1, min(size, g // stride)) if stride <= g else 1
-    return Group(size, per_node)
+    if cluster.shared_link:
+        return Group(size, per_node, max(1, cluster.world // size))
+    return Group(size, per_node, max(1, min(g // per_node, cluster.world // size)))
 
 
 def _alpha(c: ClusterSpec, grp: Group) -> float:
@@ -68,9 +73,9 @@ def ring_allreduce(c: ClusterSpec, grp: Group, nbytes: float) -> tuple[float, fl
         return 0.0, 0.0
     chunk = nbytes / w
     if c.shared_link:
-        per_step = w * chunk / c.inter_bw
+        per_step = grp.share * w * chunk / c.inter_bw
     elif grp.nodes > 1:
-        per_step = chunk / min(c.inter_bw, c.intra_bw)
+        per_step = chunk / min(c.inter_bw / grp.share, c.intra_bw)
     else:
         per_step = chunk / c.intra_bw
     steps = 2 * (w - 1)
@@ -84,9 +89,9 @@ def all_to_all(c: ClusterSpec, grp: Group, m: float, hierarchical: bool = False)
         return 0.0, 0.0
     sent = (w - 1) * m
     if c.shared_link:
-        return (w - 1) * c.inter_lat + w * (w - 1) * m / c.inter_bw, sent
+        return (w - 1) * c.inter_lat + grp.share * w * (w - 1) * m / c.inter_bw, sent
     n = grp.nodes
-    inter = g * (w - g) * m / c.inter_bw if n > 1 else 0.0
+    inter = grp.share * g * (w - g) * m / c.inter_bw if n > 1 else 0.0
     if hierarchical and n > 1:
         intra = 2 * (g - 1) * n * m / c.intra_bw
         lat = (g - 1) * c.intra_lat + (n - 1) * c.inter_lat
@@ -133,7 +138,8 @@ def all_gather(c: ClusterSpec, grp: Group, nbytes: float) -> tuple[float, float]
     if w <= 1:
         return 0.0, 0.0
     if c.shared_link:
-        per_step = w * nbytes / c.inter_bw
+        per_step = grp.share * w * nbytes / c.inter_bw
     else:
-        per_step = nbytes / (min(c.inter_bw, c.intra_bw) if grp.nodes > 1 else c.intra_bw)
+        per_step = nbytes / (min(c.inter_bw / grp.share, c.intra_bw) if grp.nodes > 1
+                             else c.intra_bw)
     return (w - 1) * (_alpha(c, grp) + per_step), (w - 1) * nbytes
