@@ -72,7 +72,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compute-from-first", action="store_true",
                     help="with --validate: take the device rate from the first measured row's "
                          "non-communication time (the host's load at that moment) instead of "
-                         "the calibrated step; the other rows stay predictions")
+                         "the calibrated step, and scale the CPU-bound rates (packing, "
+                         "loopback) by the same factor; the other rows stay predictions")
     ap.add_argument("--papers", action="store_true",
                     help="print the model against the papers' published figures")
     return ap
@@ -248,8 +249,13 @@ def run_validate(args: argparse.Namespace) -> int:
     opts = [r["optimizer"] for r in measured["results"] if r["optimizer"] in OPTIMIZERS]
     if args.compute_from_first:
         first = measured["results"][0]
-        calib = {**calib, "model_step_s": first["step_s"] - first["comm_s_per_step"],
-                 "model_step_from": f"measured {first['optimizer']} row (step - comm)"}
+        step = first["step_s"] - first["comm_s_per_step"]
+        load = step / float(calib["model_step_s"])  # the host's slowdown since calibrating
+        calib = {**calib, "model_step_s": step, "load_factor": load,
+                 "pack_rate": calib["pack_rate"] / load, "link_beta": calib["link_beta"] / load,
+                 "link_alpha": calib["link_alpha"] * load,
+                 "model_step_from": f"measured {first['optimizer']} row (step - comm); "
+                                    "packing and loopback rates scaled by the same load factor"}
     predicted = bench_predict(opts, measured["nproc"], measured["steps"], freeze_of(measured),
                               measured["measure_from"], measured["link"], measured["extra"], calib)
     rows = compare_rows(measured, predicted)

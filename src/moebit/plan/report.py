@@ -83,8 +83,9 @@ def plot(model: ModelSpec, cluster: ClusterSpec, setup: Setup, optimizers: list[
             xs = [n for n in xs if (n * cluster.devices_per_node) % setup.ep_size == 0]
         ys = sweep(model, cluster, setup, optimizers, xs, vary)
         fig, ax = plt.subplots(figsize=(6, 4))
-        for o, y in ys.items():
-            ax.plot(xs, y, marker="o", label=o)
+        styles = [("o", "-"), ("s", "--"), ("^", "-."), ("x", ":"), ("d", "-")]
+        for (o, y), (mk, ls) in zip(ys.items(), styles * 2, strict=False):
+            ax.plot(xs, y, marker=mk, linestyle=ls, label=o)  # 1-bit Adam and LAMB coincide
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"whole-run speedup over {optimizers[0]}")
