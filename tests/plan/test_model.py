@@ -12,6 +12,7 @@ from moebit.plan.cli import main
 from moebit.plan.cluster import ClusterSpec, cluster_from_dict, parse_bandwidth, parse_latency
 from moebit.plan.model import Setup, compare, predict, schedule, step_costs
 from moebit.plan.presets import preset
+from moebit.plan.report import plot
 from moebit.plan.spec import ModelSpec, SpecError
 
 TINY = ModelSpec("tiny", 2, 64, 4, 256, 256, 32, learned_positions=32)
@@ -146,9 +147,6 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_plots(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    from moebit.plan.report import plot
-
     files = plot(TINY, ClusterSpec(nodes=2, devices_per_node=4), Setup(steps=50),
                  ["adam", "onebit_adam"], str(tmp_path))
     assert all(Path(f).stat().st_size > 1000 for f in files)

@@ -20,6 +20,7 @@ from typing import Any
 
 from moebit.bench.netns import parse_rate
 from moebit.config import ConfigError, TrainConfig, build, load_file
+from moebit.plan import collectives as coll
 from moebit.plan.cluster import ClusterSpec
 from moebit.plan.loaders import from_train_config
 from moebit.plan.model import Setup, compare
@@ -124,8 +125,6 @@ def _eval_a2a_bytes(model: Any, cluster: ClusterSpec, setup: Setup, cfg: TrainCo
     """Bytes of one evaluation (eval_batches forward passes: dispatch + combine per block)."""
     if not model.is_moe or setup.ep_size == 1:
         return 0.0
-    from moebit.plan import collectives as coll
-
     grp = coll.group_of(cluster, setup.ep_size)
     rows = cfg.batch_size * cfg.block_size * model.top_k / setup.ep_size
     per = 0.0

@@ -24,9 +24,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moebit.comm.compressed import OnebitAllreduce
 from moebit.config import TrainConfig, validate
+from moebit.models.gpt import GPT
+from moebit.train import autocast, clip_gradients, make_optimizer, param_groups
 
 
 def _timeit(fn: Any, reps: int, warmup: int = 2) -> float:
@@ -69,9 +72,6 @@ def update_rate(n: int = 1 << 20, reps: int = 5) -> float:
 
 def _step_worker(cfg: TrainConfig, steps: int, q: Any) -> None:
     torch.set_num_threads(max(1, cfg.threads))
-    from moebit.models.gpt import GPT  # spawned child: import where it runs
-    from moebit.train import autocast, clip_gradients, make_optimizer, param_groups
-
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
     opt = make_optimizer(cfg, param_groups(model, cfg))
@@ -118,8 +118,6 @@ def _free_port() -> int:
 
 
 def _link_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, q: Any) -> None:
-    import torch.distributed as dist  # spawned child: import where it runs
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

@@ -6,7 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moebit.plan.cluster import ClusterSpec
+import matplotlib
+
+matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
+import matplotlib.pyplot as plt  # noqa: E402
+
+from moebit.plan.cluster import ClusterSpec  # noqa: E402
 from moebit.plan.model import Setup, compare
 from moebit.plan.spec import ModelSpec
 
@@ -62,11 +67,6 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, setup: Setup, optimizers: list
 def plot(model: ModelSpec, cluster: ClusterSpec, setup: Setup, optimizers: list[str],
          out_dir: str) -> list[str]:
     """speedup_vs_bandwidth.png and speedup_vs_nodes.png in ``out_dir``."""
-    import matplotlib  # an optional extra: only plotting needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     gbits = [1, 2, 5, 10, 25, 40, 100, 200, 400, 800, 1600]
