@@ -64,7 +64,7 @@ def dropless(model: torch.nn.Module) -> Iterator[None]:
 def _idle_forward(model: GPT) -> None:
     """Serve this rank's experts for one step with no tokens of its own (expert parallel):
     the model's forward on a zero-row batch, whose MoE layers still join the all-to-all."""
-    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=model.wte.weight.device)
+    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=next(model.parameters()).device)
     model(empty_01, cache=model.new_cache(0, 1), logits_to_keep=1)
 
 
@@ -96,7 +96,7 @@ class _BatchRun:
 
     def __init__(self, model: GPT, prompts: list[list[int]], budgets: list[int],
                  gens: list[torch.Generator], stop: bytes | None) -> None:
-        dev = model.wte.weight.device
+        dev = next(model.parameters()).device
         self.model, self.budgets, self.gens, self.stop = model, budgets, gens, stop
         tmax = max(len(p) for p in prompts)
         self.cache = model.new_cache(len(prompts), tmax + max(budgets),
@@ -273,7 +273,7 @@ def _generate_recompute(model: GPT, prompts: list[list[int]], max_new_tokens: in
                         stop: bytes | None) -> list[list[int]]:
     """No cache, no batching, no sharding: every rank runs every prompt the same way."""
     bs = model.config.block_size
-    dev = model.wte.weight.device
+    dev = next(model.parameters()).device
     was_training = model.training
     model.eval()
     outs = []

@@ -168,9 +168,9 @@ def build_feed_forward(cfg: GPTConfig, layer: int, ep_groups: Any = None) -> nn.
 def _ffn_infer(ffn: nn.Module, x_SD: torch.Tensor) -> torch.Tensor:
     """A feed-forward's output for inference: its ``infer`` (MoE layers: dropless, no
     losses or statistics), else its forward's hidden state (the dense MLP, custom ones)."""
-    infer = getattr(ffn, "infer", None)
+    infer = getattr(type(ffn), "infer", None)  # on the class: no nn.Module __getattr__ miss
     if infer is not None:
-        return infer(x_SD)
+        return infer(ffn, x_SD)
     out = ffn(x_SD)
     return out if isinstance(out, torch.Tensor) else out.hidden
 
