@@ -6,7 +6,9 @@ TOML or JSON ``--config`` file. Unknown keys and bad values are errors that name
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -49,6 +51,9 @@ class TrainConfig:
     # data
     data: str | None = None
     batch_size: int = 16
+    encoding: str = "utf-8"  # of the corpus files; they are re-encoded to UTF-8 bytes
+    encoding_errors: str = "strict"  # "replace": undecodable bytes become U+FFFD, not a skip
+    allow_skipped: bool = False  # train even when more than half the corpus bytes are skipped
     # optimisation
     optimizer: str = "adam"
     lr: float = 1e-3
@@ -158,9 +163,12 @@ def _check_value(key: str, value: Any) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
     if isinstance(proto, float):
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if isinstance(proto, str):
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -193,6 +201,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
     need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")
+    need(cfg.encoding_errors in ("strict", "replace"), "encoding_errors", "must be strict or replace")
+    try:
+        codecs.lookup(cfg.encoding)
+    except LookupError:
+        need(False, "encoding", "is not a known text encoding")
     need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
     if isinstance(cfg.freeze_step, int):
         need(cfg.freeze_step >= 1, "freeze_step", "must be >= 1 (at least one exact step) or 'auto'")

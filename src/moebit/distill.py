@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moebit.config import TrainConfig, build
+from moebit.metrics import MetricsWriter
 from moebit.models.gpt import GPT, GPTConfig
 
 DISTILL_FILE = "distill.json"
@@ -338,7 +339,7 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
 
     torch.manual_seed(cfg.seed)
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
     check_block_size(corpus, cfg.block_size)
     teacher, t_cfg, teacher_step = build_teacher(dcfg, cfg.ep_size, info.rank)
     teacher.to(info.device)
@@ -354,12 +355,11 @@ def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: Any) -> 
     kd_on, kd_used = kd_steps > 0, 0
     t_dtype = "bf16" if dcfg.teacher_dtype == "bf16" else "fp32"
 
-    log = (run_dir / "metrics.jsonl").open("a") if info.is_main else None
+    log = MetricsWriter(run_dir / "metrics.jsonl") if info.is_main else None
 
     def emit(rec: dict[str, Any]) -> None:
         if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            log.emit(rec)
 
     teacher_val = tr.evaluate(teacher, vbatches, t_dtype, info.device)
     teacher.eval()  # evaluate() leaves models in train mode

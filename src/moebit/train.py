@@ -28,6 +28,7 @@ from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, allreduce_mean_, broadcast_params_, init_from_env
 from moebit.config import TrainConfig, build
 from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
+from moebit.metrics import MetricsWriter
 from moebit.models.gpt import GPT
 from moebit.moe import is_expert_param, split_params_for_ep
 
@@ -220,7 +221,7 @@ def any_rank(flag: bool, local_grads: bool) -> bool:
 
 def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
     check_block_size(corpus, cfg.block_size)
     model = GPT(cfg.model_config()).to(info.device)
     ep = model.ep_groups
@@ -249,12 +250,11 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resumed:
             ckpt_io.trim_metrics(run_dir / "metrics.jsonl", first_step)
-        log = (run_dir / "metrics.jsonl").open("a")
+        log = MetricsWriter(run_dir / "metrics.jsonl")
 
     def emit(rec: dict[str, Any]) -> None:
         if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            log.emit(rec)
 
     if resumed:
         emit({"kind": "resume", "step": first_step, "from": str(resumed.path),

@@ -14,14 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_dataclass_flags, parse_known, unknown_flag_error
-from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
+from moebit.cli.launch import (
+    add_launch_flags,
+    pop_launch,
+    prepare_run_dir,
+    print_run_folder,
+    release_run_dir,
+    run_ranks,
+)
 from moebit.cli.train import INTERNAL_FIELDS
+from moebit.cli.validate import check_run
 from moebit.config import TrainConfig
 from moebit.distill import (
     DISTILL_FILE,
@@ -98,12 +107,18 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
 
 
 def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]) -> Path:
-    """Write the run folder and run the ranks through torch.distributed.run."""
-    run_dir = prepare_run_dir(cfg)
-    write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
-    print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
-    run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
-              "distillation")
+    """Check, take the run folder, run the ranks through torch.distributed.run."""
+    corpus = check_run(cfg, launch)
+    if corpus is not None:
+        print(f"moebit distill: {corpus.summary()}", file=sys.stderr)
+    run_dir = prepare_run_dir(cfg, "distill", int(launch.get("node_rank", 0)))
+    try:
+        write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
+        print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
+        run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
+                  "distillation", run_dir=run_dir)
+    finally:
+        release_run_dir(run_dir)
     return run_dir
 
 
