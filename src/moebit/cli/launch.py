@@ -157,7 +157,7 @@ def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what:
     check_rendezvous_port(launch)
     args = torchrun_args(launch, module, module_args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks set their own thread count
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # we report failures
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures
     errors = Path(tempfile.mkdtemp(prefix="moebit-errors-"))
     env = {ENV_ERRORS: str(errors), runlock.ENV_LAUNCHER: str(os.getpid())}
     if run_dir is not None and str(run_dir) in _HELD:

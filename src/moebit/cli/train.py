@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moebit.checkpoint import MANIFEST
-from moebit.cli.args import UsageError, add_dataclass_flags, parse_known, unknown_flag_error
+from moebit.checkpoint import MANIFEST, latest, write_text_atomic
+from moebit.cli.args import RunStopped, UsageError, add_dataclass_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import (
     add_launch_flags,
     pop_launch,
@@ -97,6 +97,8 @@ def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
     """Check, take the run folder, run the ranks through torch.distributed.run; returns the
     run folder."""
     ckpt = check_training(cfg, launch)
+    config = Path(str(cfg.run_dir)) / "config.json"
+    previous = config.read_text() if ckpt is not None else None
     run_dir = prepare_run_dir(cfg, "train", int(launch.get("node_rank", 0)))
     try:
         if ckpt is not None and launch.get("resume_from") is not None:
@@ -104,8 +106,13 @@ def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
                 print(f"moebit train: resuming from {ckpt}; set aside the newer {d}", file=sys.stderr)
         print_run_folder(run_dir, "train")
         run_ranks({k: v for k, v in launch.items() if k != "resume_from"}, "moebit.train",
-                  ["--resolved-config", str(run_dir / "config.json")], "training",
+                  ["--resolved-config", str(config)], "training",
                   f"Resume with: moebit train --resume {run_dir}", run_dir=run_dir)
+    except (RuntimeError, RunStopped):
+        if previous is not None and latest(run_dir) == ckpt:
+            # The resume failed before it saved anything: its overrides are not the run's.
+            write_text_atomic(previous, config)
+        raise
     finally:
         release_run_dir(run_dir)
     return run_dir

@@ -40,14 +40,11 @@ def world_of(launch: dict[str, Any]) -> int:
 
 def check_parallel(cfg: TrainConfig, world: int) -> None:
     """Expert-parallel arithmetic and each MoE layer's own settings (top-k, divisibility)."""
-    model = cfg.model_config()
-    layers = model.moe_layers()
-    if not layers:
-        return
-    if world % cfg.ep_size:
+    if cfg.num_experts and world % cfg.ep_size:
         raise ConfigError(f"ep_size: {cfg.ep_size} does not divide the world size {world} "
                           "(--nproc x --nnodes)")
-    for layer in layers:
+    model = cfg.model_config()
+    for layer in model.moe_layers():
         try:
             moe_config_for(model, layer)
         except ValueError as e:
