@@ -88,7 +88,7 @@ def skip_reason(head: bytes, encoding: str = "utf-8", errors: str = "strict") ->
     undecodable bytes are to be replaced.
     """
     if b"\x00" in head:
-        return "binary (NUL bytes)"
+        return "looks binary (NUL bytes)"
     if errors == "replace":
         return None
     try:
