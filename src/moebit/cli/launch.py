@@ -157,7 +157,7 @@ def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what:
     check_rendezvous_port(launch)
     args = torchrun_args(launch, module, module_args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks set their own thread count
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures
+    quiet_torchrun()
     errors = Path(tempfile.mkdtemp(prefix="moebit-errors-"))
     env = {ENV_ERRORS: str(errors), runlock.ENV_LAUNCHER: str(os.getpid())}
     if run_dir is not None and str(run_dir) in _HELD:
@@ -181,6 +181,14 @@ def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what:
             else:
                 os.environ[k] = v
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def quiet_torchrun() -> None:
+    """Silence torchrun's own log lines (each module's logger has its own level): this
+    launcher reports failures and stops itself, once."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def read_errors(folder: Path) -> list[dict[str, Any]]:
