@@ -19,6 +19,7 @@ Every rank of ``moebit train``, ``distill`` and ``generate`` starts here, then c
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib
 import json
@@ -116,10 +117,19 @@ def run_module(module: str, args: list[str]) -> int:
 
 
 def finish(code: int) -> None:
-    """Flush and leave with ``os._exit``: the rank's work, files and process group are
-    closed by now, and interpreter finalization would only tear down C++ objects (gloo's
-    and the store's) in no defined order, which is where "terminate called without an
-    active exception" came from (docs/reliability.md)."""
+    """Run the atexit handlers, flush, and leave with ``os._exit``.
+
+    Why not a normal exit: in a training rank gloo's threads (``gloo_tcp_loop``,
+    ``pt_gloo_runloop``) are still alive after ``destroy_process_group`` (something still
+    holds the group), so interpreter finalization tears down those C++ objects while their
+    threads run, in no defined order: the occasional "terminate called without an active
+    exception" (SIGABRT) after a finished run. The rank's work, files and process group are
+    closed by now; atexit handlers (log and event writers) still run here.
+    """
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001 - a failing handler must not turn a finished run into a crash
+        traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

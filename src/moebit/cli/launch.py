@@ -221,7 +221,25 @@ def failure_message(e: ChildFailedError, folder: Path, what: str, after_failure:
     retry = bool(after_failure) and run_dir is not None and latest(run_dir) is not None and not any(
         r["type"] in DETERMINISTIC for r in causes)
     msg = f"{what} failed: " + body[0] if len(body) == 1 else f"{what} failed:\n  " + "\n  ".join(body)
-    return msg + (f"\n{after_failure}" if retry else "")
+    kept = keep_tracebacks(records, run_dir)
+    return msg + (f"\n(tracebacks: {kept})" if kept else "") + (f"\n{after_failure}" if retry else "")
+
+
+def keep_tracebacks(records: list[dict[str, Any]], run_dir: Path | None) -> Path | None:
+    """The ranks' full tracebacks, for whoever debugs: RUN/attempts/N/errors.txt."""
+    attempts = run_dir / "attempts" if run_dir is not None else None
+    if not records or attempts is None or not attempts.is_dir():
+        return None
+    last = max((p for p in attempts.iterdir() if p.name.isdigit()), key=lambda p: int(p.name),
+               default=None)
+    if last is None:
+        return None
+    text = "\n".join(f"--- rank {r['rank']}\n{r['traceback']}" for r in records)
+    try:
+        write_text_atomic(text, last / "errors.txt")
+    except OSError:
+        return None  # a full or read-only disk: the one-line errors are still printed
+    return last / "errors.txt"
 
 
 def stop_line(what: str, run_dir: Path | None, resume: str) -> str:
