@@ -274,7 +274,7 @@ def quality(a: argparse.Namespace, models: dict[str, GPT]) -> dict[str, Any]:
     from moebit.quantize import quantize_experts_
 
     cfg = build(json.loads((Path(a.run) / "config.json").read_text()))
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
     vb = val_batches(corpus.val, cfg.block_size, cfg.batch_size, a.eval_batches, cfg.seed)
     out: dict[str, Any] = {}
     for fmt, m in models.items():

@@ -85,7 +85,8 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     model = load_model(ckpt)
     block = model.config.block_size
     bsz = batch_size or int(run_cfg["batch_size"])
-    corpus = load_corpus(run_cfg.get("data"))
+    corpus = load_corpus(run_cfg.get("data"), run_cfg.get("encoding", "utf-8"),
+                         run_cfg.get("encoding_errors", "strict"))
     if as_trained:
         wins = val_batches(corpus.val, block, int(run_cfg["batch_size"]),
                            batches or int(run_cfg["eval_batches"]), int(run_cfg["seed"]))
