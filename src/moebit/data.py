@@ -42,15 +42,19 @@ class Corpus:
     def skipped_bytes(self) -> int:
         return sum(n for _, _, n in self.skipped)
 
-    def summary(self, limit: int = 5) -> str:
-        """One line: what was used, and each skipped file with its reason and size."""
-        line = f"data: {self.n_files} files ({_kb(self.used_bytes)}) used"
-        if not self.skipped:
-            return line
-        parts = [f"{f} {why} ({_kb(n)})" for f, why, n in self.skipped[:limit]]
-        more = len(self.skipped) - limit
-        return (f"{line}; skipped {len(self.skipped)} files ({_kb(self.skipped_bytes)}): "
-                + ", ".join(parts) + (f", and {more} more" if more > 0 else ""))
+    def summary(self) -> str:
+        return summary_line(self.n_files, self.used_bytes, self.skipped)
+
+
+def summary_line(n_files: int, used: int, skipped: list[tuple[str, str, int]], limit: int = 5) -> str:
+    """One line: what was used, and each skipped file with its reason and size."""
+    line = f"data: {n_files} files ({_kb(used)}) used"
+    if not skipped:
+        return line
+    parts = [f"{f} {why} ({_kb(n)})" for f, why, n in skipped[:limit]]
+    more = len(skipped) - limit
+    return (f"{line}; skipped {len(skipped)} files ({_kb(sum(n for _, _, n in skipped))}): "
+            + ", ".join(parts) + (f", and {more} more" if more > 0 else ""))
 
     def unigram_entropy(self) -> float:
         """Entropy of the training bytes' unigram distribution, in nats per byte.
@@ -192,15 +196,12 @@ def load_corpus(path: str | None = None, encoding: str = "utf-8", errors: str = 
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.as_posix()
         (val_parts if is_validation(rel) else train_parts).append(data)
     if kept == 0:
-        detail = f": {Corpus(np.zeros(0, np.uint8), np.zeros(0, np.uint8), source, 0, 0, skipped).summary()}"
         raise CorpusError(f"corpus {source!r} holds no text (no non-empty text files)"
-                          + (detail if skipped else ""))
-    skipped_bytes = sum(n for _, _, n in skipped)
-    if not allow_skipped and skipped_bytes > used:
-        c = Corpus(np.zeros(0, np.uint8), np.zeros(0, np.uint8), source, kept, used, skipped)
+                          + (f": {summary_line(0, 0, skipped)}" if skipped else ""))
+    if not allow_skipped and sum(n for _, _, n in skipped) > used:
         raise CorpusError(f"corpus {source!r}: more than half its bytes would be skipped "
-                          f"({c.summary()}); pass --allow-skipped to train on the rest, or read "
-                          "the files with --encoding ENC or --errors replace")
+                          f"({summary_line(kept, used, skipped)}); pass --allow-skipped to train "
+                          "on the rest, or read the files with --encoding ENC or --errors replace")
     # bytearray: writable buffers, so torch.from_numpy shares them without a warning.
     train = np.frombuffer(bytearray(b"\n".join(train_parts)), dtype=np.uint8)
     val = np.frombuffer(bytearray(b"\n".join(val_parts)), dtype=np.uint8)
