@@ -45,6 +45,16 @@ class Corpus:
     def summary(self) -> str:
         return summary_line(self.n_files, self.used_bytes, self.skipped)
 
+    def unigram_entropy(self) -> float:
+        """Entropy of the training bytes' unigram distribution, in nats per byte.
+
+        The loss of a model that learned byte frequencies and nothing else: a trained
+        model must end clearly below it.
+        """
+        counts = np.bincount(self.train, minlength=256).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
 
 def summary_line(n_files: int, used: int, skipped: list[tuple[str, str, int]], limit: int = 5) -> str:
     """One line: what was used, and each skipped file with its reason and size."""
@@ -55,16 +65,6 @@ def summary_line(n_files: int, used: int, skipped: list[tuple[str, str, int]], l
     more = len(skipped) - limit
     return (f"{line}; skipped {len(skipped)} files ({_kb(sum(n for _, _, n in skipped))}): "
             + ", ".join(parts) + (f", and {more} more" if more > 0 else ""))
-
-    def unigram_entropy(self) -> float:
-        """Entropy of the training bytes' unigram distribution, in nats per byte.
-
-        The loss of a model that learned byte frequencies and nothing else: a trained
-        model must end clearly below it.
-        """
-        counts = np.bincount(self.train, minlength=256).astype(np.float64)
-        p = counts[counts > 0] / counts.sum()
-        return float(-(p * np.log(p)).sum())
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
