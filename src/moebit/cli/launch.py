@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -204,18 +205,25 @@ def read_errors(folder: Path) -> list[dict[str, Any]]:
 def failure_message(e: ChildFailedError, folder: Path, what: str, after_failure: str,
                     run_dir: Path | None) -> str:
     """One line per distinct error: the ranks, the error type, its message (which names the
-    file or key); a rank killed by a signal or exiting without a record is named too."""
+    file or key). A rank that died without a record (a signal, e.g. SIGKILL) is a cause too;
+    the broken connections its peers then saw are echoes and are not shown."""
     records = read_errors(folder)
-    causes = [r for r in records if r["type"] not in ECHOES] or records
+    recorded = {int(r["rank"]) for r in records}
     lines: dict[str, list[int]] = {}
+    for rank, failure in sorted(e.failures.items()):
+        if rank in recorded or failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            continue  # described by its record, or stopped by the agent after another failed
+        how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        lines.setdefault(f"({how}); the other ranks were stopped", []).append(rank)
+    causes = [r for r in records if r["type"] not in ECHOES]
+    if not causes and not lines:
+        causes = records
     for r in causes:
         first = str(r["message"]).strip().splitlines()[0] if str(r["message"]).strip() else ""
         lines.setdefault(f"{r['type']}: {first}", []).append(int(r["rank"]))
-    if not records:
-        rank, failure = e.get_first_failure()
-        how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
-               else f"exit code {failure.exitcode}")
-        lines[f"({how}); the other ranks were stopped"] = [rank]
+    if not lines:
+        lines["(no error recorded); the other ranks were stopped"] = [e.get_first_failure()[0]]
     body = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}: {text}"
             for text, ranks in lines.items()]
     retry = bool(after_failure) and run_dir is not None and latest(run_dir) is not None and not any(
