@@ -40,6 +40,8 @@ DETERMINISTIC = {"ConfigError", "CorpusError", "CheckpointError", "UsageError", 
                  "NotImplementedError", "AssertionError", "AttributeError", "ImportError"}
 # A rank whose peer died sees a broken connection: an echo of the real error, not a cause.
 ECHOES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+# How a rank ends when the agent stops it (SIGINT / SIGTERM, handled or not).
+STOPPED = {int(signal.SIGINT), int(signal.SIGTERM), 128 + int(signal.SIGINT), 128 + int(signal.SIGTERM)}
 _HELD: dict[str, runlock.RunLock] = {}
 
 
@@ -211,7 +213,7 @@ def failure_message(e: ChildFailedError, folder: Path, what: str, after_failure:
     recorded = {int(r["rank"]) for r in records}
     lines: dict[str, list[int]] = {}
     for rank, failure in sorted(e.failures.items()):
-        if rank in recorded or failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        if rank in recorded or abs(failure.exitcode) in STOPPED:
             continue  # described by its record, or stopped by the agent after another failed
         how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
