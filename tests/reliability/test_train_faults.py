@@ -109,6 +109,7 @@ def test_sigint_prints_the_stop_line_and_exits_130(tmp_path: Path, small_corpus:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 30 launches: several minutes even on an idle machine
 def test_many_short_runs_all_exit_0(tmp_path: Path, small_corpus: Path):
     """Item 5: finished runs used to abort at exit now and then ("terminate called without
     an active exception"), about 1 in 10. MOEBIT_TEST_SHORT_RUNS overrides the count."""
