@@ -12,6 +12,7 @@ errors that name the key.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import math
@@ -40,6 +41,9 @@ class TrainConfig:
     # data
     data: str | None = None
     batch_size: int = 16
+    encoding: str = "utf-8"  # of the corpus files; they are re-encoded to UTF-8 bytes
+    encoding_errors: str = "strict"  # "replace": undecodable bytes become U+FFFD, not a skip
+    allow_skipped: bool = False  # train even when more than half the corpus bytes are skipped
     # optimisation
     optimizer: str = "adam"
     lr: float = 1e-3
@@ -214,6 +218,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
     need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")
+    need(cfg.encoding_errors in ("strict", "replace"), "encoding_errors", "must be strict or replace")
+    try:
+        codecs.lookup(cfg.encoding)
+    except LookupError:
+        need(False, "encoding", "is not a known text encoding")
     names = optimizer_names()
     need(cfg.optimizer in names, "optimizer", f"must be one of {', '.join(names)}")
     if isinstance(cfg.freeze_step, int):

@@ -9,11 +9,12 @@ different data; validation batches are fixed and identical on every rank.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import math
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,15 @@ class Corpus:
     val: np.ndarray
     source: str
     n_files: int
+    used_bytes: int = 0
+    skipped: list[tuple[str, str, int]] = field(default_factory=list)  # (file, reason, bytes)
+
+    @property
+    def skipped_bytes(self) -> int:
+        return sum(n for _, _, n in self.skipped)
+
+    def summary(self) -> str:
+        return summary_line(self.n_files, self.used_bytes, self.skipped)
 
     def unigram_entropy(self) -> float:
         """Entropy of the training bytes' unigram distribution, in nats per byte.
@@ -44,6 +54,17 @@ class Corpus:
         counts = np.bincount(self.train, minlength=256).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
+
+
+def summary_line(n_files: int, used: int, skipped: list[tuple[str, str, int]], limit: int = 5) -> str:
+    """One line: what was used, and each skipped file with its reason and size."""
+    line = f"data: {n_files} files ({_kb(used)}) used"
+    if not skipped:
+        return line
+    parts = [f"{f} {why} ({_kb(n)})" for f, why, n in skipped[:limit]]
+    more = len(skipped) - limit
+    return (f"{line}; skipped {len(skipped)} files ({_kb(sum(n for _, _, n in skipped))}): "
+            + ", ".join(parts) + (f", and {more} more" if more > 0 else ""))
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -60,15 +81,40 @@ def is_validation(relpath: str) -> bool:
     return h % 1000 < VAL_PER_MILLE
 
 
-def _looks_binary(head: bytes) -> bool:
+def _kb(n: int) -> str:
+    return f"{n / 1000:.1f} KB"
+
+
+def skip_reason(head: bytes, encoding: str = "utf-8", errors: str = "strict") -> str | None:
+    """Why a file is not text for this corpus (None: it is), judged on its first bytes.
+
+    NUL bytes mean binary whatever the encoding; otherwise the bytes must decode, unless
+    undecodable bytes are to be replaced.
+    """
     if b"\x00" in head:
-        return True
+        return "looks binary (NUL bytes)"
+    if errors == "replace":
+        return None
     try:
-        head.decode("utf-8")
+        head.decode(encoding)
     except UnicodeDecodeError as e:
         # A multi-byte character cut at the sniff boundary is still text.
-        return e.start < len(head) - 4
-    return False
+        if e.start < len(head) - 4:
+            name = "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+            return (f"not {name} (byte 0x{head[e.start]:02x} at offset {e.start}; "
+                    "see --encoding, --errors replace)")
+    return None
+
+
+def _looks_binary(head: bytes) -> bool:
+    return skip_reason(head) is not None
+
+
+def _as_utf8(data: bytes, encoding: str, errors: str) -> bytes:
+    """The training bytes: UTF-8, as the byte-level model is trained on UTF-8 text."""
+    if codecs.lookup(encoding).name == "utf-8" and errors == "strict":
+        return data
+    return data.decode(encoding, errors=errors).encode("utf-8")
 
 
 def _resolve(path: str) -> tuple[Path, list[Path], bool]:
@@ -89,7 +135,7 @@ def _resolve(path: str) -> tuple[Path, list[Path], bool]:
     return p, files, False
 
 
-def check_path(path: str | None) -> None:
+def check_path(path: str | None, encoding: str = "utf-8", errors: str = "strict") -> None:
     """Cheap up-front check of ``--data`` (before any rank starts or any file is written).
 
     Resolves the path and sniffs files until one text file is found; a named binary
@@ -101,44 +147,61 @@ def check_path(path: str | None) -> None:
     for f in files:
         with open(f, "rb") as fh:
             head = fh.read(_SNIFF_BYTES)
-        if _looks_binary(head):
+        why = skip_reason(head, encoding, errors)
+        if why:
             if explicit:
-                raise CorpusError(f"--data {path!r}: {f} looks binary, not text")
+                raise CorpusError(f"--data {path!r}: {f} is {why}")
             continue
         if head:
             return
     raise CorpusError(f"corpus {path!r} holds no text (no non-empty text files)")
 
 
-def load_corpus(path: str | None = None) -> Corpus:
+def load_corpus(path: str | None = None, encoding: str = "utf-8", errors: str = "strict",
+                allow_skipped: bool = True) -> Corpus:
     """Read a corpus: the stdlib by default, else a text file, a folder, or a glob.
 
-    Binary files named directly are an error; inside a folder or glob they are skipped
-    (a folder of sources often holds a few). A corpus with no text at all is an error.
+    A file named directly that is not text is an error; inside a folder or glob such files
+    are skipped and listed in ``Corpus.skipped`` (a folder of sources often holds a few).
+    More than half the bytes skipped is an error unless ``allow_skipped``: a corpus that
+    silently shrank to a README is not what anyone meant to train on.
     """
     if path is None:
         root, files = stdlib_files()
-        explicit = False
+        explicit, allow_skipped = False, True
         source = f"python stdlib ({root})"
     else:
         root, files, explicit = _resolve(path)
         source = path
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
-    kept = 0
+    skipped: list[tuple[str, str, int]] = []
+    kept = used = 0
     for f in files:
         data = f.read_bytes()
-        if _looks_binary(data[:_SNIFF_BYTES]):
+        why = skip_reason(data[:_SNIFF_BYTES], encoding, errors)
+        if why:
             if explicit:
-                raise CorpusError(f"--data {path!r}: {f} looks binary, not text")
+                raise CorpusError(f"--data {path!r}: {f} is {why}")
+            skipped.append((str(f), why, len(data)))
             continue
         if not data:
             continue
+        try:
+            data = _as_utf8(data, encoding, errors)
+        except UnicodeDecodeError as e:
+            raise CorpusError(f"{f}: not {encoding} at byte {e.start} (see --errors replace)") from None
         kept += 1
+        used += len(data)
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.as_posix()
         (val_parts if is_validation(rel) else train_parts).append(data)
     if kept == 0:
-        raise CorpusError(f"corpus {source!r} holds no text (no non-empty text files)")
+        raise CorpusError(f"corpus {source!r} holds no text (no non-empty text files)"
+                          + (f": {summary_line(0, 0, skipped)}" if skipped else ""))
+    if not allow_skipped and sum(n for _, _, n in skipped) > used:
+        raise CorpusError(f"corpus {source!r}: more than half its bytes would be skipped "
+                          f"({summary_line(kept, used, skipped)}); pass --allow-skipped to train "
+                          "on the rest, or read the files with --encoding ENC or --errors replace")
     # bytearray: writable buffers, so torch.from_numpy shares them without a warning.
     train = np.frombuffer(bytearray(b"\n".join(train_parts)), dtype=np.uint8)
     val = np.frombuffer(bytearray(b"\n".join(val_parts)), dtype=np.uint8)
@@ -147,7 +210,8 @@ def load_corpus(path: str | None = None) -> Corpus:
         everything = np.frombuffer(bytearray(b"\n".join(train_parts + val_parts)), dtype=np.uint8)
         cut = int(len(everything) * (1 - VAL_PER_MILLE / 1000))
         train, val = everything[:cut], everything[cut:]
-    return Corpus(train=train, val=val, source=source, n_files=kept)
+    return Corpus(train=train, val=val, source=source, n_files=kept, used_bytes=used,
+                  skipped=skipped)
 
 
 def check_block_size(corpus: Corpus, block_size: int) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import matplotlib
 
+from moebit import metrics
+
 matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -21,17 +23,10 @@ class ReportError(ValueError):
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
-    path = Path(run) / "metrics.jsonl"
+    path = Path(run) / metrics.FILE_NAME
     if not path.is_file():
         raise ReportError(f"{run}: no metrics.jsonl (is it a moebit run folder?)")
-    recs = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ReportError(f"{path}:{i}: not a JSON line") from None
-    return recs
+    return metrics.read(path)  # a torn last line is dropped with a warning naming the file
 
 
 def label_of(run: Path) -> str:
@@ -204,4 +199,8 @@ def report(runs: list[str], out: str | None = None) -> tuple[str, list[Path]]:
             raise ReportError(f"{p}: no such run folder")
     table = format_table([summarize(p) for p in paths])
     out_dir = Path(out) if out else (paths[0].parent if len(paths) > 1 else paths[0])
-    return table, plot_runs(paths, out_dir)
+    try:
+        return table, plot_runs(paths, out_dir)
+    except OSError as e:
+        raise ReportError(f"--out {str(out_dir)!r}: cannot write the plots there: "
+                          f"{e.strerror or e}") from None

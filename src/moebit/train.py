@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from moebit.grads import (
     non_finite,
     report_freeze,
 )
+from moebit.metrics import MetricsWriter
 from moebit.models.build import build_model
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep, update_router_biases_
@@ -103,23 +104,22 @@ def broadcast_model(model: CausalLM) -> None:
                           expert_src=ep.expert_dp_ranks[0], is_expert=is_expert_param)
 
 
-def emit(log: IO[str] | None, trackers: list[tracking.Tracker], rec: dict[str, Any]) -> None:
+def emit(log: MetricsWriter | None, trackers: list[tracking.Tracker], rec: dict[str, Any]) -> None:
     """Write one metrics record: the only place records go out (rank 0 holds the log and
     the TensorBoard / W&B trackers, which mirror the JSON lines)."""
     if log is not None:
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        log.emit(rec)  # one whole line per write: a crash never leaves half a record
     tracking.log_record(trackers, rec)
 
 
-def open_metrics(run_dir: Path, info: DistInfo, resumed_at: int | None) -> IO[str] | None:
+def open_metrics(run_dir: Path, info: DistInfo, resumed_at: int | None) -> MetricsWriter | None:
     """Rank 0's metrics log, with the records after a resumed checkpoint dropped."""
     if not info.is_main:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     if resumed_at is not None:
         ckpt_io.trim_metrics(run_dir / "metrics.jsonl", resumed_at)
-    return (run_dir / "metrics.jsonl").open("a")
+    return MetricsWriter(run_dir / "metrics.jsonl")
 
 
 def resume_or_broadcast(run_dir: Path, model: CausalLM, opt: torch.optim.Optimizer,
@@ -182,7 +182,7 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     """Train on this rank from the config (or resume), and return the ``end`` record."""
     hooks = hooks or Hooks()
     torch.manual_seed(cfg.seed)
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]

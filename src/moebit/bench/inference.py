@@ -271,7 +271,7 @@ def val_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 def quality(a: argparse.Namespace, models: dict[str, GPT]) -> dict[str, Any]:
 
     cfg = build(json.loads((Path(a.run) / "config.json").read_text()))
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
     vb = val_batches(corpus.val, cfg.model.block_size, cfg.batch_size, a.eval_batches, cfg.seed)
     out: dict[str, Any] = {}
     for fmt, m in models.items():

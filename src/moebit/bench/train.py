@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moebit import metrics
+
 
 def _train_argv(extra: list[str], optimizer: str, nproc: int, steps: int, run_dir: Path,
                 freeze: str | None, seed: int) -> list[str]:
@@ -34,7 +36,7 @@ def _train_argv(extra: list[str], optimizer: str, nproc: int, steps: int, run_di
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return metrics.read_run(run_dir)
 
 
 def measure(run_dir: Path, measure_from: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from moebit.checkpoint.files import (
     load_file,
     prune,
     read_manifest,
+    remove_incomplete,
     save_atomic,
     sha256_of,
     shard_name,
@@ -24,6 +25,6 @@ from moebit.checkpoint.files import (
 
 __all__ = [
     "MANIFEST", "CheckpointError", "latest", "list_complete", "load_file", "prune",
-    "read_manifest", "save_atomic", "sha256_of", "shard_name", "step_dir", "verify",
+    "read_manifest", "remove_incomplete", "save_atomic", "sha256_of", "shard_name", "step_dir", "verify",
     "write_manifest", "write_text_atomic",
 ]

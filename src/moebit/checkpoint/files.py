@@ -156,3 +156,17 @@ def prune(run_dir: str | os.PathLike[str], keep: int) -> None:
         for p in root.glob("step-*"):
             if not (p / MANIFEST).exists() and p.name < newest.name:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_incomplete(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Delete every step folder without a manifest (the debris of a failed save).
+
+    Only for the launcher, once no rank of the run is alive: a live rank may be writing one.
+    """
+    import shutil
+
+    root = Path(run_dir) / "checkpoints"
+    gone = [p for p in root.glob("step-*") if not (p / MANIFEST).exists()] if root.is_dir() else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone

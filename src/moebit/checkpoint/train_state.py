@@ -15,6 +15,8 @@ and each new rank takes its slice; the 1-bit error buffers are reset with a warn
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebit import metrics
 from moebit.checkpoint.files import (
+    MANIFEST,
     CheckpointError,
     latest,
     load_file,
@@ -87,9 +91,27 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
          train_time: float, run_state: dict[str, Any] | None = None) -> Path:
     """Write this rank's shard of step ``step``; rank 0 commits it with the manifest.
 
-    ``run_state`` (plain values and tensors) comes back as ``Resumed.run_state``.
+    ``run_state`` (plain values and tensors) comes back as ``Resumed.run_state``. A failed
+    write (ENOSPC, EROFS, ...) removes the partial step folder and is one CheckpointError
+    naming the folder, the cause and the previous checkpoint, which the failure never
+    touches (pruning runs only after a commit).
     """
     d = step_dir(run_dir, step)
+    previous = latest(run_dir)
+    try:
+        return _save(d, run_dir, step, model, opt, batches, info, cfg, wall, train_time, run_state)
+    except OSError as e:
+        if not (d / MANIFEST).is_file():
+            shutil.rmtree(d, ignore_errors=True)
+        why = os.strerror(e.errno) if e.errno else str(e)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint"
+        raise CheckpointError(f"saving checkpoint {d} failed on rank {info.rank}: {why} "
+                              f"({e.filename or d}); removed the partial folder; {kept}") from None
+
+
+def _save(d: Path, run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+          batches: TrainBatches, info: DistInfo, cfg: TrainConfig, wall: float,
+          train_time: float, run_state: dict[str, Any] | None) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     shard = {
         "step": step,
@@ -133,7 +155,7 @@ def _without_ep(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_model_config(manifest: dict[str, Any], now: dict[str, Any], where: Path) -> None:
+def check_model_config(manifest: dict[str, Any], now: dict[str, Any], where: Path) -> None:
     """Everything but the expert-parallel degree must match; that one may change (resharding).
 
     Both sides go through GPTConfig first, so a manifest written before a setting existed
@@ -159,7 +181,7 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
             raise CheckpointError(f"--resume {run_dir}: the run has no complete checkpoint")
         return None  # restarted before the first checkpoint: start over
     manifest = read_manifest(d)
-    _check_model_config(manifest, cfg.model_config().to_dict(), d)
+    check_model_config(manifest, cfg.model_config().to_dict(), d)
     new_ep = cfg.moe.ep_size if cfg.moe else 1
     if manifest["world_size"] == info.world_size and manifest["ep_size"] == new_ep:
         verify(d, {"files": {shard_name(info.rank): manifest["files"][shard_name(info.rank)]}})
@@ -253,13 +275,13 @@ def _reshard_optimizer(d: Path, shards: list[dict[str, Any]], model: torch.nn.Mo
 
 
 def trim_metrics(path: Path, step: int) -> None:
-    """Drop records past ``step`` (written after the checkpoint we resume from)."""
+    """Drop records past ``step`` (written after the checkpoint we resume from), and a torn
+    last line (with a warning naming the file)."""
     if not path.is_file():
         return
+    _, lines = metrics.parse_lines(path.read_text(encoding="utf-8", errors="replace"), path)
     keep = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
+    for line in lines:
         rec = json.loads(line)
         if rec.get("kind") == "end" or rec.get("step", 0) > step:
             continue

@@ -23,7 +23,7 @@ import os
 import sys
 
 from moebit.checkpoint import CheckpointError
-from moebit.cli.args import UsageError
+from moebit.cli.args import RunStopped, UsageError
 from moebit.config import ConfigError
 
 # Command name -> module under moebit.cli with main(argv). Imported on use, so that
@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(f"moebit.cli.{COMMANDS[cmd]}")
         return int(module.main(rest) or 0)
+    except RunStopped as e:
+        print(f"moebit {cmd}: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:  # before any rank started: nothing to stop or resume
+        print(f"moebit {cmd}: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, UsageError, CheckpointError, ValueError, RuntimeError) as e:
         print(f"moebit {cmd}: error: {e}", file=sys.stderr)
         return 2

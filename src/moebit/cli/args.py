@@ -86,3 +86,11 @@ def unknown_flag_error(unknown: list[str], cmd: str) -> UsageError:
             f"unexpected argument {first!r} for moebit {cmd}: it is an existing path; if it came "
             "from a glob (--data *.txt), quote the glob so moebit expands it: --data '*.txt'")
     return UsageError(f"unknown flag {first!r} for moebit {cmd} (see moebit {cmd} --help)")
+
+
+class RunStopped(Exception):
+    """The run was stopped by SIGINT / SIGTERM; ``code`` is the exit code (130 / 143)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code

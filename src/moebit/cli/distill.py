@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,16 @@ from typing import Any
 from moebit import tracking
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
-from moebit.cli.launch import add_launch_flags, pop_launch, prepare_run_dir, print_run_folder, run_ranks
+from moebit.cli.launch import (
+    add_launch_flags,
+    pop_launch,
+    prepare_run_dir,
+    print_run_folder,
+    release_run_dir,
+    run_ranks,
+)
 from moebit.cli.train import INTERNAL_FIELDS
+from moebit.cli.validate import check_run
 from moebit.config import TrainConfig, build
 from moebit.distill import (
     DISTILL_FILE,
@@ -128,13 +137,19 @@ def _resumed(run: Path, dvals: dict[str, Any], given: dict[str, Any]
 
 
 def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]) -> Path:
-    """Write the run folder and run the ranks through torch.distributed.run."""
+    """Check, take the run folder, run the ranks through torch.distributed.run."""
     tracking.require(cfg)  # before the run folder is written
-    run_dir = prepare_run_dir(cfg)
-    write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
-    print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
-    run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
-              "distillation", f"Resume with: moebit distill --resume {run_dir}")
+    corpus = check_run(cfg, launch)
+    if corpus is not None:
+        print(f"moebit distill: {corpus.summary()}", file=sys.stderr)
+    run_dir = prepare_run_dir(cfg, "distill", int(launch.get("node_rank", 0)))
+    try:
+        write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
+        print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
+        run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
+                  "distillation", f"Resume with: moebit distill --resume {run_dir}", run_dir=run_dir)
+    finally:
+        release_run_dir(run_dir)
     return run_dir
 
 

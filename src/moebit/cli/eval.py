@@ -85,7 +85,8 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     model = load_model(ckpt)
     block = model.config.block_size
     bsz = batch_size or int(run_cfg["batch_size"])
-    corpus = load_corpus(run_cfg.get("data"))
+    corpus = load_corpus(run_cfg.get("data"), run_cfg.get("encoding", "utf-8"),
+                         run_cfg.get("encoding_errors", "strict"))
     if as_trained:
         wins = val_batches(corpus.val, block, int(run_cfg["batch_size"]),
                            batches or int(run_cfg["eval_batches"]), int(run_cfg["seed"]))
@@ -136,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = []
-    try:
-        for run in args.runs:
+    rows, failed = [], 0
+    for run in args.runs:  # one bad run must not throw away the others' results
+        try:
             rows.append(evaluate_run(run, args.batches, args.batch_size, args.as_trained,
                                      args.dtype))
-    except USAGE_ERRORS as e:
-        print(f"moebit eval: {e}", file=sys.stderr)
+        except USAGE_ERRORS as e:
+            failed += 1
+            print(f"moebit eval: {run}: {e}", file=sys.stderr)
+    if not rows:
         return 2
     width = max(len(r["run"]) for r in rows)
     print(f"{'run':<{width}}  {'step':>6}  {'params':>9}  {'val loss':>9}  {'bits/byte':>9}  "
@@ -156,5 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot_rows(rows, args.plot)
         print(f"plot: {args.plot}")
-    return 0
+    if failed:
+        print(f"moebit eval: {failed} of {len(args.runs)} runs could not be evaluated (see above)",
+              file=sys.stderr)
+    return 2 if failed else 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -64,7 +65,10 @@ def _prompts(args: argparse.Namespace) -> list[str]:
         p = Path(args.prompts_file)
         if not p.is_file():
             raise ValueError(f"--prompts-file {str(p)!r}: no such file")
-        prompts += [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line]
+        from_file = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line]
+        if not from_file:
+            raise ValueError(f"--prompts-file {str(p)!r} holds no prompts (one per non-empty line)")
+        prompts += from_file
     if not prompts:
         raise ValueError("give at least one --prompt (or --prompts-file)")
     return prompts
@@ -78,10 +82,12 @@ def _check(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch < 1 or args.nproc < 1:
         raise ValueError("--batch and --nproc must be >= 1")
-    if args.temperature < 0:
-        raise ValueError("--temperature must be >= 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     d = resolve_checkpoint(args.checkpoint)
     cfg = model_config_of(read_manifest(d), d)
+    for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
+        print(f"moebit generate: warning: {line}", file=sys.stderr)
     counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
     if args.quantize == "int8" and not counts:
         raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
@@ -95,6 +101,24 @@ def _check(args: argparse.Namespace) -> int:
             raise ValueError(f"--ep-size {ep} must divide --nproc {args.nproc} and every MoE "
                              f"layer's expert count {counts}")
     return ep
+
+
+def window_warnings(prompts: list[str], max_new_tokens: int, block_size: int) -> list[str]:
+    """What the fixed context window will do to these prompts, said before it happens: a
+    prompt longer than the window is cut to its end, and a text stops when the window is
+    full (prompt + new bytes <= block_size)."""
+    lengths = [len(p.encode("utf-8")) for p in prompts]
+    out = []
+    cut = [i for i, n in enumerate(lengths) if n > block_size - 1]
+    if cut:
+        out.append(f"{len(cut)} prompt(s) longer than the model's context (block size {block_size}) "
+                   f"are cut to their last {block_size - 1} bytes (first: prompt {cut[0] + 1}, "
+                   f"{lengths[cut[0]]} bytes)")
+    room = min(block_size - min(n, block_size - 1) for n in lengths)
+    if max_new_tokens > room:
+        out.append(f"--max-new-tokens {max_new_tokens}: with block size {block_size}, texts stop "
+                   f"when prompt + new bytes fill the window (as few as {room} new bytes here)")
+    return out
 
 
 def _run_rank(args: argparse.Namespace, ep: int) -> int:

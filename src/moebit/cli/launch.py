@@ -1,29 +1,48 @@
 """The one torchrun launcher: ``moebit train``, ``distill`` and ``generate`` start their ranks here.
 
-This process validates, prepares the run folder and supervises; the ranks run
-``python -m MODULE ARGS`` through ``torch.distributed.run`` (torchrun), single-node with
-``--standalone`` or multi-node with the c10d rendezvous, exactly as torchrun would.
+This process validates (``moebit.cli.validate``), owns the run folder (its lock, for the
+whole run), writes the resolved config, and supervises; the ranks run ``python -m
+moebit.runtime MODULE ARGS`` through ``torch.distributed.run`` (torchrun), single-node
+with ``--standalone`` or multi-node with the c10d rendezvous, exactly as torchrun would.
+``moebit.runtime`` ties each rank to this process (it dies with it), checks the lock,
+and turns errors and stop signals into records this module reports in one line each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from moebit.checkpoint import write_text_atomic
-from moebit.cli.args import UsageError
+from moebit import metrics, runlock
+from moebit.checkpoint import latest, read_manifest, remove_incomplete, write_text_atomic
+from moebit.cli.args import RunStopped, UsageError
 from moebit.config import TrainConfig
+from moebit.runtime import ENV_ERRORS
 
-LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
+LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "force")
+# Errors that a resume would meet again: offering "Resume with" after them only wastes a run.
+DETERMINISTIC = {"ConfigError", "CorpusError", "CheckpointError", "UsageError", "ValueError",
+                 "TypeError", "KeyError", "NonFiniteLoss", "DistillError", "RunLockError",
+                 "NotImplementedError", "AssertionError", "AttributeError", "ImportError"}
+# A rank whose peer died sees a broken connection: an echo of the real error, not a cause.
+ECHOES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+# How a rank ends when the agent stops it (SIGINT / SIGTERM, handled or not).
+STOPPED = {int(signal.SIGINT), int(signal.SIGTERM), 128 + int(signal.SIGINT), 128 + int(signal.SIGTERM)}
+_HELD: dict[str, runlock.RunLock] = {}
 
 
 def add_launch_flags(ap: argparse.ArgumentParser, default_nproc: int = 2) -> None:
@@ -34,6 +53,8 @@ def add_launch_flags(ap: argparse.ArgumentParser, default_nproc: int = 2) -> Non
     launch.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (multi-node)")
     launch.add_argument("--rdzv-id", help="rendezvous id shared by all nodes (default moebit)")
     launch.add_argument("--max-restarts", type=int, help="restart failed ranks this many times")
+    launch.add_argument("--force", action="store_true",
+                        help="start even with far more ranks than cores or too little free memory")
 
 
 def pop_launch(given: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +62,12 @@ def pop_launch(given: dict[str, Any]) -> dict[str, Any]:
     return {k: given.pop(k) for k in LAUNCH_FLAGS if k in given}
 
 
-def prepare_run_dir(cfg: TrainConfig) -> Path:
+def prepare_run_dir(cfg: TrainConfig, command: str = "train", node_rank: int = 0) -> Path:
+    """Create the run folder, take its lock, and write this attempt's resolved config.
+
+    Call only after every check passed: nothing is written before. ``config.json`` is
+    replaced atomically; each attempt's own copy stays in ``attempts/N/config.json``.
+    """
     run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -50,13 +76,38 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         probe.unlink()
     except OSError as e:
         raise UsageError(f"--run-dir {str(run_dir)!r} is not writable: {e}") from None
-    if (run_dir / "metrics.jsonl").exists() and not cfg.resume:
+    if node_rank == 0:
+        _HELD[str(run_dir)] = runlock.acquire(run_dir, f"moebit {command}")
+    if (run_dir / metrics.FILE_NAME).exists() and not cfg.resume:
+        release_run_dir(run_dir)
         raise UsageError(
             f"--run-dir {str(run_dir)!r} already holds a run (metrics.jsonl): pick another folder"
         )
     cfg.run_dir = str(run_dir)
-    write_text_atomic(json.dumps(cfg.to_dict(), indent=2) + "\n", run_dir / "config.json")
+    text = json.dumps(cfg.to_dict(), indent=2) + "\n"
+    attempts = run_dir / "attempts"
+    n = 1 + max((int(p.name) for p in attempts.glob("*") if p.name.isdigit()), default=0)
+    write_text_atomic(text, attempts / str(n) / "config.json")
+    write_text_atomic(text, run_dir / "config.json")
     return run_dir
+
+
+def release_run_dir(run_dir: Path) -> None:
+    lock = _HELD.pop(str(run_dir), None)
+    if lock is not None:
+        lock.release()
+
+
+def set_aside_newer(run_dir: Path, chosen: Path) -> list[Path]:
+    """Resuming from an older checkpoint: move the newer ones out of the way (renamed
+    ``discarded-step-N``), so that neither a restart nor a later resume picks them."""
+    moved = []
+    for d in sorted((run_dir / "checkpoints").glob("step-*")):
+        if d.name > chosen.name:
+            target = d.with_name(f"discarded-{d.name}-{int(time.time())}")
+            d.rename(target)
+            moved.append(target)
+    return moved
 
 
 def torchrun_args(launch: dict[str, Any], module: str, module_args: list[str]) -> list[str]:
@@ -75,7 +126,8 @@ def torchrun_args(launch: dict[str, Any], module: str, module_args: list[str]) -
             args += ["--node-rank", str(launch["node_rank"])]
     else:
         args += ["--standalone"]
-    return args + ["--module", module, *module_args]
+    # Every rank starts in moebit.runtime, which then runs MODULE.main(module_args).
+    return args + ["--module", "moebit.runtime", module, *module_args]
 
 
 def check_rendezvous_port(launch: dict[str, Any]) -> None:
@@ -97,25 +149,121 @@ def check_rendezvous_port(launch: dict[str, Any]) -> None:
 
 
 def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what: str,
-              after_failure: str = "") -> None:
-    """Run the ranks to completion; a failed rank becomes one RuntimeError naming it.
+              after_failure: str = "", run_dir: Path | None = None) -> None:
+    """Run the ranks to completion.
 
-    ``after_failure`` is appended to that message (e.g. how to resume).
+    A failure becomes one RuntimeError with a line per distinct rank error; ``after_failure``
+    (e.g. how to resume) is added only when a retry can succeed: a complete checkpoint
+    exists and no error is one a retry would meet again. SIGINT / SIGTERM become
+    ``RunStopped`` with the stop line and the exit code 130 / 143.
     """
     check_rendezvous_port(launch)
     args = torchrun_args(launch, module, module_args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks set their own thread count
+    quiet_torchrun()
+    errors = Path(tempfile.mkdtemp(prefix="moebit-errors-"))
+    env = {ENV_ERRORS: str(errors), runlock.ENV_LAUNCHER: str(os.getpid())}
+    if run_dir is not None and str(run_dir) in _HELD:
+        env[runlock.ENV_LOCK] = str(_HELD[str(run_dir)].path)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        if run_dir is not None:
+            remove_incomplete(run_dir)  # every rank is gone: a half-written save is debris
+        raise RuntimeError(failure_message(e, errors, what, after_failure, run_dir)) from None
+    except SignalException as e:
+        if run_dir is not None:
+            remove_incomplete(run_dir)
+        raise RunStopped(stop_line(what, run_dir, after_failure), 128 + int(e.sigval)) from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def quiet_torchrun() -> None:
+    """Silence torchrun's own log lines (each module's logger has its own level): this
+    launcher reports failures and stops itself, once."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def read_errors(folder: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(folder.glob("rank-*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def failure_message(e: ChildFailedError, folder: Path, what: str, after_failure: str,
+                    run_dir: Path | None) -> str:
+    """One line per distinct error: the ranks, the error type, its message (which names the
+    file or key). A rank that died without a record (a signal, e.g. SIGKILL) is a cause too;
+    the broken connections its peers then saw are echoes and are not shown."""
+    records = read_errors(folder)
+    recorded = {int(r["rank"]) for r in records}
+    lines: dict[str, list[int]] = {}
+    for rank, failure in sorted(e.failures.items()):
+        if rank in recorded or abs(failure.exitcode) in STOPPED:
+            continue  # described by its record, or stopped by the agent after another failed
         how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
-        detail = failure.message if isinstance(failure.message, str) else ""
-        raise RuntimeError(
-            f"{what} failed: rank {rank} ({how}); the other ranks were stopped."
-            + (f" {after_failure}" if after_failure else "") + (f"\n{detail}" if detail else "")
-        ) from None
+        lines.setdefault(f"({how}); the other ranks were stopped", []).append(rank)
+    causes = [r for r in records if r["type"] not in ECHOES]
+    if not causes and not lines:
+        causes = records
+    for r in causes:
+        first = str(r["message"]).strip().splitlines()[0] if str(r["message"]).strip() else ""
+        lines.setdefault(f"{r['type']}: {first}", []).append(int(r["rank"]))
+    if not lines:
+        lines["(no error recorded); the other ranks were stopped"] = [e.get_first_failure()[0]]
+    body = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}: {text}"
+            for text, ranks in lines.items()]
+    retry = bool(after_failure) and run_dir is not None and latest(run_dir) is not None and not any(
+        r["type"] in DETERMINISTIC for r in causes)
+    msg = f"{what} failed: " + body[0] if len(body) == 1 else f"{what} failed:\n  " + "\n  ".join(body)
+    kept = keep_tracebacks(records, run_dir)
+    return msg + (f"\n(tracebacks: {kept})" if kept else "") + (f"\n{after_failure}" if retry else "")
+
+
+def keep_tracebacks(records: list[dict[str, Any]], run_dir: Path | None) -> Path | None:
+    """The ranks' full tracebacks, for whoever debugs: RUN/attempts/N/errors.txt."""
+    attempts = run_dir / "attempts" if run_dir is not None else None
+    if not records or attempts is None or not attempts.is_dir():
+        return None
+    last = max((p for p in attempts.iterdir() if p.name.isdigit()), key=lambda p: int(p.name),
+               default=None)
+    if last is None:
+        return None
+    text = "\n".join(f"--- rank {r['rank']}\n{r['traceback']}" for r in records)
+    try:
+        write_text_atomic(text, last / "errors.txt")
+    except OSError:
+        return None  # a full or read-only disk: the one-line errors are still printed
+    return last / "errors.txt"
+
+
+def stop_line(what: str, run_dir: Path | None, resume: str) -> str:
+    """"stopped at step N; last checkpoint step M; resume with ..." (N: the last step the
+    metrics recorded, at --log-every granularity)."""
+    if run_dir is None:
+        return f"{what} stopped"
+    step = metrics.last_step(run_dir)
+    ckpt = latest(run_dir)
+    saved = read_manifest(ckpt)["step"] if ckpt is not None else None
+    text = f"{what} stopped at step {step if step is not None else 0}; "
+    if saved is None:
+        return text + "no checkpoint yet (nothing to resume; start again)"
+    return text + f"last checkpoint step {saved}; {resume[0].lower() + resume[1:] if resume else ''}"
 
 
 def print_run_folder(run_dir: Path, cmd: str, extra: str = "") -> None:

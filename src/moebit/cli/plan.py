@@ -166,7 +166,7 @@ def _setup(args: argparse.Namespace, cluster: ClusterSpec, cfg: Any) -> Setup:
         freeze = cfg.freeze_step
     return Setup(micro_batch=micro or (cfg.batch_size if cfg else 16), seq_len=args.seq_len,
                  grad_accum=args.grad_accum, steps=steps, freeze_step=freeze,
-                 ep_size=args.ep_size or (cfg.ep_size if cfg else 1),
+                 ep_size=args.ep_size or (cfg.moe.ep_size if cfg and cfg.moe else 1),
                  grad_bytes=_BYTES[args.grad_dtype], a2a_bytes=_BYTES[args.a2a_dtype],
                  hierarchical_a2a=args.hierarchical_a2a, overlap=args.overlap)
 

@@ -1,0 +1,175 @@
+"""Launcher-side checks: everything that can fail is checked here, before any rank starts
+and before the run folder is created, so a bad setting costs one line and leaves nothing.
+
+Ranks repeat some of these checks (they must), but a user should meet each error here:
+world/expert-parallel arithmetic, the device, the corpus against the block size, the run
+folder's writability, resources, and the checkpoint a resume would load.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moebit.checkpoint import MANIFEST, CheckpointError, list_complete, read_manifest, verify
+from moebit.checkpoint.train_state import check_model_config
+from moebit.cli.args import UsageError
+from moebit.config import ConfigError, TrainConfig
+from moebit.data import Corpus, check_block_size, load_corpus
+from moebit.models.gpt import moe_config_for
+
+RANK_BASE_BYTES = 350 << 20  # a rank's own footprint: interpreter, torch, gloo buffers
+
+
+def world_of(launch: dict[str, Any]) -> int:
+    """Ranks in the run, after checking the launch flags (--nproc 0 and friends)."""
+    nproc, nnodes = int(launch.get("nproc", 2)), int(launch.get("nnodes", 1))
+    if nproc < 1:
+        raise UsageError(f"--nproc must be >= 1 (got {nproc})")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1 (got {nnodes})")
+    if nnodes > 1 and "rdzv_endpoint" not in launch:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if int(launch.get("max_restarts", 0)) < 0:
+        raise UsageError("--max-restarts must be >= 0")
+    return nproc * nnodes
+
+
+def check_parallel(cfg: TrainConfig, world: int) -> None:
+    """Expert-parallel arithmetic and each MoE layer's own settings (top-k, divisibility)."""
+    if cfg.moe and world % cfg.moe.ep_size:
+        raise ConfigError(f"ep_size: {cfg.moe.ep_size} does not divide the world size {world} "
+                          "(--nproc x --nnodes)")
+    model = cfg.model_config()
+    for layer in model.moe_layers():
+        try:
+            moe_config_for(model, layer)
+        except ValueError as e:
+            raise ConfigError(f"MoE layer {layer}: {e}") from None
+
+
+def check_device(cfg: TrainConfig, nproc: int) -> None:
+    if cfg.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but CUDA is not available here (a CPU "
+                          "build of torch, or no visible GPU); use --device cpu or auto")
+    if nproc > torch.cuda.device_count():
+        raise ConfigError(f"device: --nproc {nproc} ranks need {nproc} GPUs, "
+                          f"{torch.cuda.device_count()} visible")
+
+
+def check_corpus(cfg: TrainConfig) -> Corpus | None:
+    """Load a user corpus once here (the default stdlib corpus is known to be large)."""
+    if cfg.data is None:
+        return None
+    corpus = load_corpus(cfg.data, encoding=cfg.encoding, errors=cfg.encoding_errors,
+                         allow_skipped=cfg.allow_skipped)
+    check_block_size(corpus, cfg.model.block_size)
+    return corpus
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The folder, or the nearest existing folder above it, must be writable."""
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UsageError(f"--run-dir {str(run_dir)!r} is not writable: {probe} is a file")
+    try:
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only or not os.access(probe, os.W_OK | os.X_OK):
+        why = "a read-only filesystem" if read_only else "permission denied"
+        raise UsageError(f"--run-dir {str(run_dir)!r} is not writable: {probe}: {why}")
+
+
+def estimate_rank_bytes(cfg: TrainConfig, world: int) -> int:
+    """A rough upper bound of one rank's memory: weights, gradients and two optimizer
+    moments in fp32, plus activations; experts split over ep_size."""
+    model = cfg.model_config()
+    d, L, blk, ffn = model.d_model, model.n_layer, model.block_size, model.d_ffn
+    ep = cfg.moe.ep_size if cfg.moe else 1
+    experts = sum(model.experts_at(i) for i in model.moe_layers())
+    dense_layers = L - len(model.moe_layers())
+    params = 4 * d * d * L + 2 * d * ffn * (dense_layers + experts / ep) + 512 * d
+    activations = cfg.batch_size * blk * (d * 20 + ffn * 3) * L * 4
+    return RANK_BASE_BYTES + int(params * 16 + activations)
+
+
+def mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_resources(cfg: TrainConfig, nproc: int, force: bool) -> None:
+    """Refuse (unless --force) ranks far beyond the cores, or more memory than is free."""
+    if force:
+        return
+    cores = os.cpu_count() or 1
+    if cfg.device != "cuda" and nproc > max(4, 2 * cores):
+        raise UsageError(f"--nproc {nproc} ranks on {cores} CPU cores: each rank loads torch and "
+                         "its own model copy; use fewer ranks, or add --force")
+    need, free = nproc * estimate_rank_bytes(cfg, nproc), mem_available()
+    if free is not None and need > free:
+        raise UsageError(f"--nproc {nproc} ranks need about {need / 2**30:.1f} GiB, "
+                         f"{free / 2**30:.1f} GiB is available; use fewer ranks or a smaller "
+                         "model, or add --force")
+
+
+def check_run(cfg: TrainConfig, launch: dict[str, Any]) -> Corpus | None:
+    """The checks every launched run needs, in the order a user would fix them; returns
+    the corpus when a user corpus was loaded (for its summary line)."""
+    world = world_of(launch)
+    nproc = int(launch.get("nproc", 2))
+    check_device(cfg, nproc)
+    check_parallel(cfg, world)
+    check_resources(cfg, nproc, bool(launch.get("force")))
+    check_run_dir(Path(cfg.run_dir or "runs"))
+    return check_corpus(cfg)
+
+
+def newest_intact(run_dir: Path, below: Path | None = None) -> Path | None:
+    """The newest complete checkpoint (older than ``below``) whose shards all verify."""
+    for d in reversed(list_complete(run_dir)):
+        if below is not None and d.name >= below.name:
+            continue
+        try:
+            verify(d, read_manifest(d))
+        except CheckpointError:
+            continue
+        return d
+    return None
+
+
+def check_resume(run_dir: Path, cfg: TrainConfig, chosen: Path | None) -> Path:
+    """The checkpoint a resume will load, verified: manifest, model, expert layout, shards.
+
+    A corrupt newest checkpoint is one line naming the bad file and the newest intact one,
+    with the command that resumes from it.
+    """
+    complete = list_complete(run_dir)
+    d = chosen or (complete[-1] if complete else None)
+    if d is None:
+        raise CheckpointError(f"--resume {run_dir}: the run has no complete checkpoint")
+    if not (d / MANIFEST).is_file():
+        raise CheckpointError(f"--resume {d}: not a complete checkpoint (no {MANIFEST})")
+    try:
+        manifest = read_manifest(d)
+        verify(d, manifest)
+    except CheckpointError as e:
+        good = newest_intact(run_dir, below=d)
+        hint = (f"; the newest intact checkpoint is {good}: resume from it with "
+                f"moebit train --resume {good}" if good else "; no earlier intact checkpoint")
+        raise CheckpointError(f"{e}{hint}") from None
+    check_model_config(manifest, cfg.model_config().to_dict(), d)
+    return d

@@ -1,0 +1,121 @@
+"""Issue 21 items 1, 4, 5 and 7 with real `moebit train` runs (2 gloo ranks, tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moebit import runlock
+
+TINY = ["--nproc", "2", "--n-layer", "1", "--n-head", "2", "--block-size", "32",
+        "--batch-size", "4", "--samples", "0", "--dtype", "fp32", "--eval-batches", "1",
+        "--threads", "1", "--log-every", "1"]
+
+
+def train(args: list[str], **kw: object) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moebit.cli", "train", *TINY, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            **kw)
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, run: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not list((run / "checkpoints").glob("step-*/manifest.json")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("no checkpoint: " + proc.communicate()[0][-3000:])
+        time.sleep(0.1)
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The ranks started by this launcher (their parent)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == launcher:
+                found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_second_run_is_refused_and_ranks_die_with_a_killed_launcher(tmp_path: Path,
+                                                                     small_corpus: Path):
+    run = tmp_path / "run"
+    a = train(["--data", str(small_corpus), "--d-model", "64", "--steps", "100000",
+               "--save-every", "5", "--run-dir", str(run)])
+    try:
+        wait_for_checkpoint(a, run)
+        b = subprocess.run([sys.executable, "-m", "moebit.cli", "train", *TINY, "--data",
+                            str(small_corpus), "--d-model", "32", "--steps", "5", "--run-dir", str(run)],
+                           capture_output=True, text=True, timeout=120)
+        assert b.returncode == 2, b.stderr
+        lines = b.stderr.strip().splitlines()
+        assert len(lines) == 2 and "data:" in lines[0], b.stderr  # the data line, then the refusal
+        assert f"is in use by moebit train (pid {a.pid}" in lines[1]
+        assert json.loads((run / "config.json").read_text())["d_model"] == 64, "A's config intact"
+        ranks = rank_pids(a.pid)
+        assert len(ranks) == 2
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if alive(p)], "ranks outlived their launcher by 10 s"
+        runlock.acquire(run, "test").release()  # and the folder is free for a resume at once
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+        for p in rank_pids(a.pid):
+            os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigint_prints_the_stop_line_and_exits_130(tmp_path: Path, small_corpus: Path):
+    run = tmp_path / "run"
+    proc = train(["--data", str(small_corpus), "--d-model", "32", "--steps", "100000",
+                  "--save-every", "3", "--run-dir", str(run)])
+    try:
+        wait_for_checkpoint(proc, run)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"moebit train: training stopped at step \d+; last checkpoint step \d+; "
+                        rf"resume with: moebit train --resume {re.escape(str(run))}", last), last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # 30 launches: several minutes even on an idle machine
+def test_many_short_runs_all_exit_0(tmp_path: Path, small_corpus: Path):
+    """Item 5: finished runs used to abort at exit now and then ("terminate called without
+    an active exception"), about 1 in 10. MOEBIT_TEST_SHORT_RUNS overrides the count."""
+    for i in range(int(os.environ.get("MOEBIT_TEST_SHORT_RUNS", "30"))):
+        proc = train(["--data", str(small_corpus), "--d-model", "32", "--steps", "2",
+                      "--run-dir", str(tmp_path / f"r{i}")])
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, f"run {i}: " + out[-3000:]
+        assert "terminate called" not in out and (tmp_path / f"r{i}" / "loss.png").is_file()
