@@ -142,6 +142,9 @@ def quantize_experts_(model: nn.Module, kernel: str = "auto") -> QuantizeReport:
     for m in model.modules():
         if isinstance(m, MoE) and isinstance(m.experts, Experts):
             ex = m.experts
+            if ex.expert_type != "gelu_mlp" or not ex.has_bias:
+                raise ValueError(f"int8 experts support expert_type 'gelu_mlp' with biases only, "
+                                 f"got {ex.expert_type!r} (expert_bias={ex.has_bias})")
             before += sum(p.numel() * p.element_size() for p in ex.parameters())
             q = Int8Experts(ex, kernel).to(ex.w1.device)
             m.experts = q

@@ -437,9 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{_fmt(r['ratio_lower_bound'], 2):>5s}  "
                           f"{_fmt(r['speedup_vs_fp32_lower_bound'], 2):>10s}", flush=True)
                 ratios = summarize(by_impl)
-                summaries.append({"experts": e, "k": k, "dtype": dtype, **ratios})
+                summaries.append({"experts": e, "k": k, "dtype": dtype, **ratios,
+                                  "of_minima": summarize(by_impl, "fwd_bwd_min_ms")})
                 if ratios:
-                    print(f"{e:<3d} {k}  {dtype:<9s} ratios: "
+                    print(f"{e:<3d} {k}  {dtype:<9s} ratios of medians: "
                           + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()), flush=True)
     if a.json:
         with open(a.json, "w") as f:

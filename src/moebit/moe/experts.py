@@ -29,6 +29,9 @@ What "auto" picks, from measurements (docs/benchmarks.md, 2 threads, d 512, f 20
   shape measured (one [rows, 512] x [512, 2048] product per expert: E=64 x 128 rows 99-116
   against 80-97 ms in float32, 47-53 against 33 ms in bf16; E=8 x 1024 rows 81 against
   66-68 ms, 27 against 12-23 ms), so auto never picks it on CPU.
+- on a heavily loaded host (load 17-29 on 2 cores, docs/benchmarks.md issue 15) the padded
+  SwiGLU kernel beat the loop by 13-35% even on dropless, uneven blocks, where this rule
+  picks the loop; the rule stays as measured on the quiet host until a quiet re-run.
 - grouped on CUDA (sm80+, where ``grouped_mm_supported``): picked by auto. Not measured
   here (no GPU was lent to this work): one grouped GEMM per projection replaces E kernel
   launches per projection, which is the reason torchtitan and Megatron-Core default to it.

@@ -12,7 +12,8 @@ Alignment: the kernels want every non-unit stride a multiple of 16 bytes and 16-
 aligned data. Widths that break it (a d or f not a multiple of 4 in float32, 8 in bf16)
 are padded with zeros in the inner dimension (zero columns add nothing to a product) and
 the result is cut back; aligned shapes (the usual ones) copy nothing. Empty groups are
-allowed; an all-empty call (no rows at all) skips the GEMMs.
+allowed; a call with no rows at all never comes here (``Experts`` runs it on the loop,
+which only allocates empty outputs).
 
 ``grouped_mm_supported(device, dtype)`` answers from a tiny real call checked against
 ``mm`` (cached per device and dtype): CPU builds of torch 2.13 run float32 and bfloat16;
