@@ -58,6 +58,37 @@ class CommStats:
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {k: vars(v).copy() for k, v in self.ops.items()}
 
+    def by_kind(self) -> dict[str, OpStats]:
+        """The operations summed per ``kind_of`` (token all-to-all, exact, 1-bit, other)."""
+        out: dict[str, OpStats] = {}
+        for name, o in self.ops.items():
+            k = out.setdefault(kind_of(name), OpStats())
+            k.calls += o.calls
+            k.bytes_sent += o.bytes_sent
+            k.bytes_recv += o.bytes_recv
+            k.seconds += o.seconds
+        return out
+
+
+KINDS = ("a2a", "exact", "onebit", "other")
+
+
+def kind_of(op: str) -> str:
+    """Which kind of traffic an operation name is, for per-kind bytes and time.
+
+    ``a2a``: the MoE token all-to-all (dispatch, combine, their split sizes); ``onebit``: the
+    compressed optimizer exchanges; ``exact``: full-precision gradient or optimizer-state
+    averages (plain allreduces, 1-bit Adam's warm-up, DDP); ``other``: small control
+    collectives (NaN verdict, freeze check).
+    """
+    if op.startswith("moe.all_to_all"):
+        return "a2a"
+    if op.startswith("onebit."):
+        return "onebit"
+    if "allreduce" in op or op.endswith((".warmup", ".var")):
+        return "exact"
+    return "other"
+
 
 _lock = threading.Lock()
 _ops: dict[str, OpStats] = {}

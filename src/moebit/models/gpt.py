@@ -180,7 +180,8 @@ class GPT(nn.Module):
         # Expert-parallel process groups, made once (collectively) and shared by all layers.
         self.ep_groups = None
         if cfg.is_moe and int(cfg.moe.get("ep_size", 1)) > 1:
-            self.ep_groups = expert_parallel_groups(int(cfg.moe["ep_size"]))
+            self.ep_groups = expert_parallel_groups(
+                int(cfg.moe["ep_size"]), hierarchical=bool(cfg.moe.get("a2a_hierarchical")))
         self.blocks = nn.ModuleList(Block(cfg, i, self.ep_groups) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

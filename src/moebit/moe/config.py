@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from moebit.comm.all_to_all import check_wire_dtype
+
 DROP_POLICIES = ("position", "random")
 NOISE_POLICIES = ("none", "jitter", "rsample")
 
@@ -56,6 +58,12 @@ class MoEConfig:
     residual: Residual MoE (a dense MLP beside the MoE, mixed per token).
     ep_size: expert-parallel ranks sharing the E experts (E % ep_size == 0).
     d_ffn: hidden size of each expert's MLP; None means 4 * d_model.
+    a2a_dtype / a2a_grad_dtype: wire format of the expert-parallel token all-to-alls,
+        forward (dispatch and combine) and backward (their gradients): "auto" (the
+        tensor's own dtype: the compute dtype under autocast), fp32, bf16, fp16, int8
+        (per-token scales) or fp8_e4m3 (where torch has it on the device).
+    a2a_hierarchical: exchange tokens inside each node first, then across nodes (one
+        message per remote node); only differs from flat when ep spans nodes.
     """
 
     num_experts: int = 8
@@ -72,6 +80,10 @@ class MoEConfig:
     residual: bool = False
     ep_size: int = 1
     d_ffn: int | None = None
+    # token all-to-all of expert parallelism (docs/expert-parallel.md)
+    a2a_dtype: str = "auto"
+    a2a_grad_dtype: str = "auto"
+    a2a_hierarchical: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +131,8 @@ class MoEConfig:
                 raise ValueError(f"{name} must be >= 0, got {v!r}")
         if self.d_ffn is not None and (not isinstance(self.d_ffn, int) or self.d_ffn < 1):
             raise ValueError(f"d_ffn must be a positive int or None, got {self.d_ffn!r}")
+        check_wire_dtype(self.a2a_dtype, "a2a_dtype")
+        check_wire_dtype(self.a2a_grad_dtype, "a2a_grad_dtype")
 
     def ffn_size(self, d_model: int) -> int:
         return self.d_ffn if self.d_ffn is not None else 4 * d_model

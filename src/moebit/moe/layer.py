@@ -82,10 +82,14 @@ class MoE(nn.Module):
         )
         x_ND = permute(x_SD, plan)
         if self.ep_groups is not None:
-            if torch.is_autocast_enabled(x.device.type):
+            c = self.config
+            if c.a2a_dtype == "auto" and torch.is_autocast_enabled(x.device.type):
                 # the experts compute in the autocast dtype anyway: send half the bytes
                 x_ND = x_ND.to(torch.get_autocast_dtype(x.device.type))
-            y_ND = expert_parallel_apply(x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group)
+            y_ND = expert_parallel_apply(
+                x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group,
+                c.a2a_dtype, c.a2a_grad_dtype, self.ep_groups.hierarchy,
+            )
         else:
             y_ND = self.experts(x_ND, plan.counts)
         out_SD = unpermute(y_ND, plan)
