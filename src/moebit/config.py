@@ -12,6 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from moebit.comm.all_to_all import A2A_DTYPES
 from moebit.models.gpt import GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -46,6 +47,9 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     ep_size: int = 1
+    a2a_dtype: str = "auto"  # expert-parallel token all-to-all wire format (MoEConfig)
+    a2a_grad_dtype: str = "auto"
+    a2a_hierarchical: bool = False
     # data
     data: str | None = None
     batch_size: int = 16
@@ -89,6 +93,9 @@ class TrainConfig:
             "router_aux_loss_coef": self.router_aux_loss_coef,
             "router_z_loss_coef": self.router_z_loss_coef,
             "ep_size": self.ep_size,
+            "a2a_dtype": self.a2a_dtype,
+            "a2a_grad_dtype": self.a2a_grad_dtype,
+            "a2a_hierarchical": self.a2a_hierarchical,
         }
         return GPTConfig(
             block_size=self.block_size,
@@ -194,6 +201,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
     need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")
     need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+    for key in ("a2a_dtype", "a2a_grad_dtype"):
+        need(getattr(cfg, key) in A2A_DTYPES, key, f"must be one of {', '.join(A2A_DTYPES)}")
     if isinstance(cfg.freeze_step, int):
         need(cfg.freeze_step >= 1, "freeze_step", "must be >= 1 (at least one exact step) or 'auto'")
     try:

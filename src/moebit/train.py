@@ -341,6 +341,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
                 "wall": time.perf_counter() - t_start, "train_time": train_time,
                 "comm_stage": getattr(opt, "comm_stage", "exact"),
                 "collectives": d.calls,
+                **stats.per_step_by_kind(d, win_n),
                 # Before clipping; the norm of the average while gradients are averaged
                 # exactly, of this rank's own gradient once a compressed optimizer froze.
                 "grad_norm": win_norm / win_n, "clipped_frac": win_clipped / win_n,
@@ -389,6 +390,7 @@ def _train(cfg: TrainConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
         "tokens_per_s": tokens_per_step * max(1, cfg.steps - first_step) / max(train_time, 1e-9),
         "frozen_at": getattr(opt, "frozen_at", None), "nan_skipped": nan_total,
         "collectives": total.calls, "comm_rounds": getattr(opt, "comm_rounds", None),
+        "bytes_sent_by_kind": {k: o.bytes_sent for k, o in total.by_kind().items()},
     }
     if cfg.samples:
         from moebit.inference import generate

@@ -119,6 +119,15 @@ def timed(op: str) -> Iterator[None]:
         add_time(op, time.perf_counter() - t0)
 
 
+def per_step_by_kind(window: CommStats, steps: int) -> dict[str, dict[str, float]]:
+    """Metrics fields for a window of ``steps`` steps: bytes sent and seconds per step, per
+    kind (``{"step_bytes_by_kind": {"a2a": ...}, "comm_seconds_by_kind": {...}}``)."""
+    kinds = window.by_kind()
+    n = max(1, steps)
+    return {"step_bytes_by_kind": {k: o.bytes_sent / n for k, o in kinds.items()},
+            "comm_seconds_by_kind": {k: o.seconds / n for k, o in kinds.items()}}
+
+
 def snapshot() -> CommStats:
     with _lock:
         return CommStats({k: OpStats(**vars(v)) for k, v in _ops.items()})
