@@ -50,6 +50,7 @@ class TrainConfig:
     a2a_dtype: str = "auto"  # expert-parallel token all-to-all wire format (MoEConfig)
     a2a_grad_dtype: str = "auto"
     a2a_hierarchical: bool = False
+    a2a_chunks: int = 1
     # data
     data: str | None = None
     batch_size: int = 16
@@ -96,6 +97,7 @@ class TrainConfig:
             "a2a_dtype": self.a2a_dtype,
             "a2a_grad_dtype": self.a2a_grad_dtype,
             "a2a_hierarchical": self.a2a_hierarchical,
+            "a2a_chunks": self.a2a_chunks,
         }
         return GPTConfig(
             block_size=self.block_size,

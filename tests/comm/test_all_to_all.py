@@ -171,3 +171,24 @@ def test_hierarchical_equals_flat() -> None:
         assert res["auto"] == (True, True, True)
         assert res["int8"] == (True, True, True)
         assert res["inter_calls"] == 2 and res["flat_has_no_stages"]
+
+
+def _overlap_body(rank: int, world: int) -> dict[str, bool]:
+    groups = expert_parallel_groups(2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, proj = torch.randn(96, D, generator=gen), torch.randn(96, D, generator=gen)
+    out = {}
+    for fmt in ("auto", "int8"):
+        base = MoEConfig(num_experts=4, num_experts_per_tok=2, ep_size=2, d_ffn=24,
+                         a2a_dtype=fmt, a2a_grad_dtype=fmt, capacity_factor=0.5)
+        ref = _grads(base, groups, x, proj)
+        for chunks in (2, 3):
+            got = _grads(base.replace(a2a_chunks=chunks), groups, x, proj)
+            out[f"{fmt}/{chunks}"] = all(
+                torch.allclose(got[k], ref[k], atol=1e-5, rtol=1e-4) for k in ref)
+    return out
+
+
+def test_chunked_overlap_equals_one_exchange() -> None:
+    for res in run_on_ranks(_overlap_body, world=2, timeout=TIMEOUT):
+        assert all(res.values()), res

@@ -64,6 +64,8 @@ class MoEConfig:
         (per-token scales) or fp8_e4m3 (where torch has it on the device).
     a2a_hierarchical: exchange tokens inside each node first, then across nodes (one
         message per remote node); only differs from flat when ep spans nodes.
+    a2a_chunks: split each layer's exchange into this many chunks so that one chunk's
+        expert compute overlaps the next chunk's all-to-all (1: no overlap).
     """
 
     num_experts: int = 8
@@ -84,6 +86,7 @@ class MoEConfig:
     a2a_dtype: str = "auto"
     a2a_grad_dtype: str = "auto"
     a2a_hierarchical: bool = False
+    a2a_chunks: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -133,6 +136,11 @@ class MoEConfig:
             raise ValueError(f"d_ffn must be a positive int or None, got {self.d_ffn!r}")
         check_wire_dtype(self.a2a_dtype, "a2a_dtype")
         check_wire_dtype(self.a2a_grad_dtype, "a2a_grad_dtype")
+        if not isinstance(self.a2a_chunks, int) or self.a2a_chunks < 1:
+            raise ValueError(f"a2a_chunks must be an int >= 1, got {self.a2a_chunks!r}")
+        if self.a2a_chunks > 1 and self.a2a_hierarchical:
+            raise ValueError("a2a_chunks > 1 overlaps the flat exchange only; it cannot be "
+                             "combined with a2a_hierarchical")
 
     def ffn_size(self, d_model: int) -> int:
         return self.d_ffn if self.d_ffn is not None else 4 * d_model
