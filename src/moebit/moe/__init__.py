@@ -19,6 +19,7 @@ from moebit.moe.gate import (
 )
 from moebit.moe.layer import MoE, MoEOutput, ResidualMoE, build_moe
 from moebit.moe.mlp import MLP
+from moebit.moe.overlap import overlapped_apply
 from moebit.moe.parallel import (
     EPGroups,
     all_to_all,
@@ -34,5 +35,5 @@ __all__ = [
     "ResidualMoE", "Routing", "RoutingStats", "TopKGate", "all_to_all", "allreduce_grads_",
     "build_moe", "compute_capacity", "expert_parallel_apply", "expert_parallel_groups",
     "is_expert_param", "load_balancing_loss", "permute", "plan_dispatch", "router_z_loss",
-    "select_kept", "split_params_for_ep", "unpermute",
+    "overlapped_apply", "select_kept", "split_params_for_ep", "unpermute",
 ]
