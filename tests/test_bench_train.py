@@ -74,3 +74,16 @@ def test_peers_powersgd_and_fp16_rows_with_time_to_target(tmp_path: Path,
     assert psgd["step_bytes_by_kind"]["ddp_hook"] < fp16["step_bytes_by_kind"]["ddp_hook"]
     assert fp16["step_bytes_by_kind"]["ddp_hook"] < adam["step_bytes_by_kind"]["exact"]
     assert format_table(got["results"], None, 9.0).count("\n") == 5
+
+
+def test_bench_a2a_measures_each_wire_format(tmp_path: Path) -> None:
+    out = tmp_path / "a2a.json"
+    res = subprocess.run([sys.executable, "-m", "moebit.cli", "bench", "a2a", "--nproc", "2",
+                          "--experts", "4", "--tokens", "32", "--d-model", "64", "--reps", "1",
+                          "--warmup", "0", "--dtypes", "fp32,int8", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())["results"]
+    assert got["int8"]["MB_sent_per_step_rank0"] * 64 * 4 == pytest.approx(
+        got["fp32"]["MB_sent_per_step_rank0"] * (64 + 4))
+    assert all(r["s_per_step"] > 0 for r in got.values()) and "int8" in res.stdout
