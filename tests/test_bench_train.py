@@ -76,6 +76,7 @@ def test_peers_powersgd_and_fp16_rows_with_time_to_target(tmp_path: Path,
     assert format_table(got["results"], None, 9.0).count("\n") == 5
 
 
+@pytest.mark.slow
 def test_bench_a2a_measures_each_wire_format(tmp_path: Path) -> None:
     out = tmp_path / "a2a.json"
     res = subprocess.run([sys.executable, "-m", "moebit.cli", "bench", "a2a", "--nproc", "2",
