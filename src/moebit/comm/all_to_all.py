@@ -1,7 +1,7 @@
 """All-to-all of rows with uneven splits: plain, compressed, and hierarchical, differentiable.
 
 Expert parallelism sends every routed token to the rank that owns its expert and the
-expert's output back (DESIGN: dispatch and combine). Once 1-bit Adam has shrunk the
+expert's output back (dispatch and combine). Once 1-bit Adam has shrunk the
 gradient traffic, these two exchanges are most of what is left on a slow link, and they
 travel in the compute dtype. Here each row can go on the wire in a narrower format:
 
