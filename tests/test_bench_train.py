@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from moebit.bench.train import format_table, limit_extra, time_to_target
+
+can_shape = (
+    sys.platform == "linux" and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+)
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "32",
         "--batch-size", "2", "--eval-every", "4", "--eval-batches", "1", "--log-every", "2",
@@ -88,3 +94,17 @@ def test_bench_a2a_measures_each_wire_format(tmp_path: Path) -> None:
     assert got["int8"]["MB_sent_per_step_rank0"] * 64 * 4 == pytest.approx(
         got["fp32"]["MB_sent_per_step_rank0"] * (64 + 4))
     assert all(r["s_per_step"] > 0 for r in got.values()) and "int8" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_shape, reason="needs root, Linux and iproute2 (ip, tc)")
+def test_bench_a2a_on_two_emulated_nodes(tmp_path: Path) -> None:
+    out = tmp_path / "two.json"
+    res = subprocess.run([sys.executable, "-m", "moebit.cli", "bench", "a2a", "--two-nodes",
+                          "--link", "1gbit", "--nproc", "4", "--experts", "4", "--tokens", "32",
+                          "--d-model", "32", "--reps", "1", "--warmup", "0", "--dtypes", "fp32",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())["results"]
+    assert set(got) == {"fp32", "fp32 hierarchical"}
+    assert not [p for p in Path("/etc/netns").glob("moebit-n*")], "namespaces left behind"

@@ -27,15 +27,22 @@ import torch
 import torch.distributed as dist
 
 from moebit.bench.netns import run_in_shaped_netns
+from moebit.bench.twonode import run_two_nodes
 from moebit.comm import collectives
-from moebit.comm.all_to_all import A2A_DTYPES, encode, exchange_rows, make_route
+from moebit.comm.all_to_all import A2A_DTYPES, Hierarchy, encode, exchange_rows, make_route
+from moebit.moe.parallel import expert_parallel_groups
 
 ENV = "MOEBIT_BENCH_A2A_ARGS"
 
 
-def _step(x: torch.Tensor, send: list[int], recv: list[int], fmt: str, layers: int) -> float:
+def _name(fmt: str, hierarchy: Hierarchy | None) -> str:
+    return fmt if hierarchy is None else f"{fmt} hierarchical"
+
+
+def _step(x: torch.Tensor, send: list[int], recv: list[int], fmt: str, layers: int,
+          hierarchy: Hierarchy | None = None) -> float:
     """Seconds of one step's exchanges, each timed from a common start (after a barrier)."""
-    route = make_route(send, recv, None)
+    route = make_route(send, recv, None, hierarchy)
     back = route.reversed()
     spent = 0.0
     for _ in range(layers):
@@ -61,19 +68,31 @@ def worker(args: argparse.Namespace) -> None:
     recv = every.view(info.world_size, -1)[:, info.rank].tolist()
     x = torch.randn(pairs, args.d_model, generator=g)
     fmts = args.dtypes.split(",")
-    times: dict[str, list[float]] = {f: [] for f in fmts}
+    cases = [(f, None) for f in fmts]
+    if args.two_nodes:  # flat and hierarchical, interleaved
+        hier = expert_parallel_groups(info.world_size, hierarchical=True).hierarchy
+        cases += [(f, hier) for f in fmts]
+    times: dict[str, list[float]] = {_name(f, h): [] for f, h in cases}
     for rep in range(args.warmup + args.reps):
-        for f in fmts:
-            s = _step(x, send, recv, f, args.layers)
+        for f, h in cases:
+            s = _step(x, send, recv, f, args.layers, h)
             if rep >= args.warmup:
-                times[f].append(s)
+                times[_name(f, h)].append(s)
     if info.rank == 0:
         row_bytes = {f: encode(x[:1], f).numel() * encode(x[:1], f).element_size() for f in fmts}
         off_rank = 2 * args.layers * (sum(send) - send[0] + sum(recv) - recv[0])
-        out = {f: {"s_per_step": statistics.median(times[f]),
-                   "MB_sent_per_step_rank0": off_rank * row_bytes[f] / 1e6} for f in fmts}
+        out = {_name(f, h): {"s_per_step": statistics.median(times[_name(f, h)]),
+                             "MB_sent_per_step_rank0": off_rank * row_bytes[f] / 1e6}
+               for f, h in cases}
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=2))
     dist.destroy_process_group()
+
+
+def _node_cmd(per_node: int, addr: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+            str(per_node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{addr}:29517", "--rdzv-id", "moebit-bench-a2a",
+            "--module", "moebit.bench.a2a", "--worker"]
 
 
 def main(argv: list[str]) -> int:
@@ -89,6 +108,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--link", default=None, help="shape loopback to this rate, e.g. 1gbit")
+    ap.add_argument("--two-nodes", action="store_true",
+                    help="two emulated nodes (namespaces joined by a veth shaped to --link), "
+                         "flat and hierarchical exchanges side by side")
     ap.add_argument("--json", default="bench-out/a2a.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -108,7 +130,13 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.nproc), "--module", "moebit.bench.a2a", "--worker"]
     env = {ENV: json.dumps(argv)}
-    if args.link:
+    if args.two_nodes:
+        if not args.link or args.nproc % 2:
+            raise SystemExit("--two-nodes needs --link and an even --nproc")
+        codes = run_two_nodes(lambda node, addr: _node_cmd(args.nproc // 2, addr),
+                              args.link, env=env, timeout=1800)
+        proc = subprocess.CompletedProcess(cmd, max(codes))
+    elif args.link:
         proc = run_in_shaped_netns(cmd, args.link, env=env, timeout=1800)
     else:
         proc = subprocess.run(cmd, env={**os.environ, **env}, timeout=1800)
@@ -118,9 +146,9 @@ def main(argv: list[str]) -> int:
     first = next(iter(res.values()))
     print(f"link: {args.link or 'loopback (unshaped)'}; {args.nproc} ranks, {args.tokens} tokens "
           f"x k={args.k}, d {args.d_model}, E {args.experts}, {args.layers} MoE blocks per step")
-    print("format  MB sent/step (rank 0)  a2a s/step  vs first")
+    print(f"{'format':<18} MB sent/step (rank 0)  a2a s/step  vs first")
     for f, r in res.items():
-        print(f"{f:<7} {r['MB_sent_per_step_rank0']:<22.2f} {r['s_per_step']:<11.4f} "
+        print(f"{f:<18} {r['MB_sent_per_step_rank0']:<22.2f} {r['s_per_step']:<11.4f} "
               f"{first['s_per_step'] / r['s_per_step']:.2f}x")
     return 0
 
