@@ -59,6 +59,7 @@ def summarize(run: Path) -> dict[str, Any]:
         "wall_s": end["wall"] if end else None,
         "frozen_at": end.get("frozen_at") if end else None,
         "finished": end is not None,
+        "MB_by_kind": {k: v / 1e6 for k, v in (end or {}).get("bytes_sent_by_kind", {}).items()},
     }
 
 
@@ -82,6 +83,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*row) for row in lines]
+    kinds = [r for r in rows if r.get("MB_by_kind")]
+    if kinds:
+        out.append("MB sent per kind (token all-to-all / exact gradient averages / 1-bit):")
+        for r in kinds:
+            k = r["MB_by_kind"]
+            out.append(f"  {r['run']}: a2a {k.get('a2a', 0.0):.1f}, exact "
+                       f"{k.get('exact', 0.0):.1f}, 1-bit {k.get('onebit', 0.0):.1f}, other "
+                       f"{k.get('other', 0.0):.2f}")
     if base.get("unigram"):
         out.append(f"(unigram byte entropy of the training split: {base['unigram']:.4f} nats/byte)")
     return "\n".join(out)

@@ -166,6 +166,7 @@ def end_record(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer, me
         "bytes_sent": t.bytes_sent, "bytes_recv": t.bytes_recv,
         "tokens_per_s": meter.tokens_per_s(), "frozen_at": getattr(opt, "frozen_at", None),
         "nan_skipped": t.nan_skipped, "collectives": t.collectives,
+        "bytes_sent_by_kind": t.bytes_sent_by_kind,
         "comm_rounds": getattr(opt, "comm_rounds", None),
     }
 

@@ -30,6 +30,7 @@ class RunTotals:
     tokens: int = 0  # tokens of the steps taken, over all ranks
     clipped_steps: int = 0
     nan_skipped: int = 0
+    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # token a2a, exact, 1-bit...
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,11 +117,15 @@ class Meter:
         """The whole run's counters up to now (earlier attempts included)."""
         d = stats.snapshot().minus(self.origin)
         s = self.saved
+        kinds = dict(s.bytes_sent_by_kind)
+        for k, o in d.by_kind().items():
+            kinds[k] = kinds.get(k, 0) + o.bytes_sent
         return RunTotals(
             bytes_sent=s.bytes_sent + d.bytes_sent, bytes_recv=s.bytes_recv + d.bytes_recv,
             collectives=s.collectives + d.calls, train_time=self.train_time,
             steps_trained=self.steps_trained, tokens=self.tokens,
-            clipped_steps=self.clipped_steps, nan_skipped=self.nan_skipped)
+            clipped_steps=self.clipped_steps, nan_skipped=self.nan_skipped,
+            bytes_sent_by_kind=kinds)
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.train_time, 1e-9)
@@ -141,6 +146,7 @@ class Meter:
             "comm_stage": getattr(opt, "comm_stage", "exact"),
             "collectives": d.calls,
             "step_bytes_by_op": {k: o.bytes_sent / n for k, o in d.ops.items() if o.bytes_sent},
+            **stats.per_step_by_kind(d, n),
             # Before clipping; the norm of the average while gradients are averaged
             # exactly, of this rank's own gradient once a compressed optimizer froze.
             "grad_norm": w.norm / n, "clipped_frac": w.clipped / n,

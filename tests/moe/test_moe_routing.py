@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,11 +243,22 @@ def test_megatron_and_deepseek_aliases() -> None:
 
 
 def test_train_config_keys_reach_the_layers_and_defaults_leave_the_model_config_alone() -> None:
+    from moebit.checkpoint import CheckpointError
+    from moebit.checkpoint.train_state import check_model_config
     from moebit.config import ConfigError, build
     from moebit.models.gpt import moe_config_for
 
-    plain = build({"num_experts": 8}).model_config()
-    assert not {"scoring_func", "n_group", "bias_update_speed"} & set(plain.moe)  # old manifests
+    # A manifest written before the routing keys existed still matches a default-routed run.
+    old = {"vocab_size": 256, "block_size": 256, "n_layer": 4, "n_head": 4, "d_model": 256,
+           "d_ffn": 1024, "dropout": 0.0, "num_experts": 8, "moe_every": 2,
+           "moe": {"num_experts_per_tok": 1, "residual": False, "capacity_factor": 1.0,
+                   "eval_capacity_factor": 1.0, "drop_tokens": True, "router_aux_loss_coef": 0.01,
+                   "router_z_loss_coef": 0.0, "ep_size": 1}}
+    now = build({"num_experts": 8}).model_config().to_dict()
+    check_model_config({"model_config": old}, now, Path("step-1"))
+    with pytest.raises(CheckpointError, match="scoring_func"):
+        sig = build({"num_experts": 8, "scoring_func": "sigmoid"}).model_config().to_dict()
+        check_model_config({"model_config": old}, sig, Path("step-1"))
     cfg = build({"num_experts": 8, "num_experts_per_tok": 2, "scoring_func": "sigmoid",
                  "norm_topk_prob": "false", "n_group": 4, "topk_group": 2,
                  "routed_scaling_factor": 2.5, "bias_update_speed": 1e-3, "seq_aux": True})

@@ -22,8 +22,10 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 __all__ = ["ShapedLinkUnavailable", "parse_rate", "run_in_shaped_netns"]
 
@@ -71,6 +73,26 @@ def _run(cmd: Sequence[str]) -> None:
         raise ShapedLinkUnavailable(f"`{' '.join(cmd)}` failed: {res.stderr.strip()}")
 
 
+NETNS_ETC = Path("/etc/netns")
+
+
+def _write_hosts(ns: str) -> Path:
+    """Give the namespace a hosts file that names its loopback in IPv4, IPv6 and mapped form.
+
+    c10d's store looks up the name of each client socket; on its dual-stack listener a
+    client at 127.0.0.1 shows up as ::ffff:127.0.0.1, which the machine's /etc/hosts
+    usually lacks, and the namespace has no DNS to ask: every rank then printed "The
+    hostname of the client socket cannot be retrieved. err=-3". ``ip netns exec`` mounts
+    /etc/netns/NS/hosts over /etc/hosts for the command, so only our namespace sees it.
+    """
+    folder = NETNS_ETC / ns
+    folder.mkdir(parents=True, exist_ok=True)
+    names = "localhost " + socket.gethostname()
+    (folder / "hosts").write_text(
+        "".join(f"{a} {names}\n" for a in ("127.0.0.1", "::1", "::ffff:127.0.0.1")))
+    return folder
+
+
 def run_in_shaped_netns(
     argv: Sequence[str],
     rate: str,
@@ -89,7 +111,9 @@ def run_in_shaped_netns(
     ip, tc = _require_tools()
     ns = f"moebit-{os.getpid()}-{secrets.token_hex(3)}"
     _run([ip, "netns", "add", ns])
+    etc = None
     try:
+        etc = _write_hosts(ns)
         _run([ip, "-n", ns, "link", "set", "lo", "up"])
         _run([ip, "netns", "exec", ns, tc, "qdisc", "add", "dev", "lo", "root", "tbf",
               "rate", f"{bits}bit", "burst", burst, "latency", latency])
@@ -119,3 +143,5 @@ def run_in_shaped_netns(
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     finally:
         subprocess.run([ip, "netns", "del", ns], capture_output=True, timeout=60)
+        if etc is not None:
+            shutil.rmtree(etc, ignore_errors=True)

@@ -58,6 +58,40 @@ class CommStats:
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {k: vars(v).copy() for k, v in self.ops.items()}
 
+    def by_kind(self) -> dict[str, OpStats]:
+        """The operations summed per ``kind_of`` (token all-to-all, exact, 1-bit, other)."""
+        out: dict[str, OpStats] = {}
+        for name, o in self.ops.items():
+            k = out.setdefault(kind_of(name), OpStats())
+            k.calls += o.calls
+            k.bytes_sent += o.bytes_sent
+            k.bytes_recv += o.bytes_recv
+            k.seconds += o.seconds
+        return out
+
+
+KINDS = ("a2a", "exact", "onebit", "ddp_hook", "other")
+
+
+def kind_of(op: str) -> str:
+    """Which kind of traffic an operation name is, for per-kind bytes and time.
+
+    ``a2a``: the MoE token all-to-all (dispatch, combine, their split sizes); ``onebit``: the
+    compressed optimizer exchanges; ``exact``: full-precision gradient or optimizer-state
+    averages (plain allreduces, 1-bit Adam's warm-up, DDP); ``ddp_hook``: torch's
+    compressing DDP hooks run as benchmark peers (PowerSGD, fp16); ``other``: small
+    control collectives (NaN verdict, freeze check).
+    """
+    if op.startswith("moe.all_to_all"):
+        return "a2a"
+    if op.startswith("onebit."):
+        return "onebit"
+    if op in ("ddp.powersgd", "ddp.fp16"):
+        return "ddp_hook"
+    if "allreduce" in op or op.endswith((".warmup", ".var")):
+        return "exact"
+    return "other"
+
 
 _lock = threading.Lock()
 _ops: dict[str, OpStats] = {}
@@ -86,6 +120,15 @@ def timed(op: str) -> Iterator[None]:
         yield
     finally:
         add_time(op, time.perf_counter() - t0)
+
+
+def per_step_by_kind(window: CommStats, steps: int) -> dict[str, dict[str, float]]:
+    """Metrics fields for a window of ``steps`` steps: bytes sent and seconds per step, per
+    kind (``{"step_bytes_by_kind": {"a2a": ...}, "comm_seconds_by_kind": {...}}``)."""
+    kinds = window.by_kind()
+    n = max(1, steps)
+    return {"step_bytes_by_kind": {k: o.bytes_sent / n for k, o in kinds.items()},
+            "comm_seconds_by_kind": {k: o.seconds / n for k, o in kinds.items()}}
 
 
 def snapshot() -> CommStats:

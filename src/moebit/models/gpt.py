@@ -217,7 +217,8 @@ class GPT(nn.Module):
         # Expert-parallel process groups, made once (collectively) and shared by all layers.
         self.ep_groups = None
         if cfg.moe is not None and cfg.moe.ep_size > 1:
-            self.ep_groups = expert_parallel_groups(cfg.moe.ep_size)
+            self.ep_groups = expert_parallel_groups(cfg.moe.ep_size,
+                                                    hierarchical=cfg.moe.a2a_hierarchical)
         self.blocks = nn.ModuleList(Block(cfg, i, self.ep_groups) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

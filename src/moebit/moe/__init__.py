@@ -27,6 +27,7 @@ from moebit.moe.gate import (
 )
 from moebit.moe.grouped import grouped_mm_supported
 from moebit.moe.layer import MoE, MoEOutput, ResidualMoE, build_moe
+from moebit.moe.overlap import overlapped_apply
 from moebit.moe.parallel import (
     EPGroups,
     all_to_all,
@@ -43,7 +44,7 @@ __all__ = [
     "build_moe", "compute_capacity", "dense_expert", "expert_parallel_apply",
     "expert_parallel_groups", "grouped_mm_supported", "is_expert_param", "load_balancing_loss",
     "permute", "plan_dispatch", "router_z_loss", "select_kept", "split_params_for_ep",
-    "unpermute",
+    "overlapped_apply", "unpermute",
     # routing: DeepSeek-V3 groups, sequence-wise loss, aux-loss-free balancing
     "biased_gates", "group_limited_mask", "load_imbalance", "router_metrics",
     "seq_load_balancing_loss", "update_router_biases_",

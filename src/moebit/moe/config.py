@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from moebit.comm.all_to_all import check_wire_dtype
+
 DROP_POLICIES = ("position", "random")
 NOISE_POLICIES = ("none", "jitter", "rsample")
 EXPERT_TYPES = ("gelu_mlp", "swiglu", "geglu")  # gated types: down(act(x W_gate) * (x W_up))
@@ -103,6 +105,14 @@ class MoEConfig:
         per optimizer step towards the mean load (``update_router_biases_``). 0 = off.
     seq_aux: the load-balancing loss per sequence, averaged over sequences (DeepSeek-V3's
         sequence-wise loss) instead of over the whole batch (GShard).
+    a2a_dtype / a2a_grad_dtype: wire format of the expert-parallel token all-to-alls,
+        forward (dispatch and combine) and backward (their gradients): "auto" (the
+        tensor's own dtype: the compute dtype under autocast), fp32, bf16, fp16, int8
+        (per-token scales) or fp8_e4m3 (where torch has it on the device).
+    a2a_hierarchical: exchange tokens inside each node first, then across nodes (one
+        message per remote node); only differs from flat when ep spans nodes.
+    a2a_chunks: split each layer's exchange into this many chunks so that one chunk's
+        expert compute overlaps the next chunk's all-to-all (1: no overlap).
     """
 
     num_experts: int = 8
@@ -134,6 +144,11 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     bias_update_speed: float = 0.0
     seq_aux: bool = False
+    # token all-to-all of expert parallelism (docs/expert-parallel.md)
+    a2a_dtype: str = "auto"
+    a2a_grad_dtype: str = "auto"
+    a2a_hierarchical: bool = False
+    a2a_chunks: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -183,6 +198,7 @@ class MoEConfig:
             raise ValueError(f"d_ffn must be a positive int or None, got {self.d_ffn!r}")
         self._validate_expert_block()
         self._validate_routing()
+        self._validate_a2a()
 
     def _validate_expert_block(self) -> None:
         if self.expert_type not in EXPERT_TYPES:
@@ -270,6 +286,15 @@ class MoEConfig:
     def groups_kept(self) -> int:
         """Groups a token may pick experts from (n_group when not limited)."""
         return self.n_group if self.topk_group is None else self.topk_group
+
+    def _validate_a2a(self) -> None:
+        check_wire_dtype(self.a2a_dtype, "a2a_dtype")
+        check_wire_dtype(self.a2a_grad_dtype, "a2a_grad_dtype")
+        if not isinstance(self.a2a_chunks, int) or self.a2a_chunks < 1:
+            raise ValueError(f"a2a_chunks must be an int >= 1, got {self.a2a_chunks!r}")
+        if self.a2a_chunks > 1 and self.a2a_hierarchical:
+            raise ValueError("a2a_chunks > 1 overlaps the flat exchange only; it cannot be "
+                             "combined with a2a_hierarchical")
 
     def ffn_size(self, d_model: int) -> int:
         return self.d_ffn if self.d_ffn is not None else 4 * d_model

@@ -29,6 +29,7 @@ from moebit.moe.dense import dense_expert
 from moebit.moe.dispatch import DispatchPlan, permute, plan_dispatch, unpermute
 from moebit.moe.experts import Experts
 from moebit.moe.gate import RoutingStats, TopKGate
+from moebit.moe.overlap import overlapped_apply
 from moebit.moe.parallel import EPGroups, expert_parallel_apply
 
 
@@ -122,10 +123,17 @@ class MoE(nn.Module):
         x_ND = permute(x_SD, plan)
         autocast = torch.is_autocast_enabled(x_SD.device.type)
         if self.ep_groups is not None:
-            if autocast:
+            c = self.config
+            if c.a2a_dtype == "auto" and autocast:
                 # the experts compute in the autocast dtype anyway: send half the bytes
                 x_ND = x_ND.to(torch.get_autocast_dtype(x_SD.device.type))
-            y_ND = expert_parallel_apply(x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group)
+            if c.a2a_chunks > 1:
+                y_ND = overlapped_apply(x_ND, plan.counts_E, self.experts, self.ep_groups.ep_group,
+                                        c.a2a_chunks, c.a2a_dtype, c.a2a_grad_dtype)
+            else:
+                y_ND = expert_parallel_apply(x_ND, plan.counts_E, self.experts,
+                                             self.ep_groups.ep_group, c.a2a_dtype,
+                                             c.a2a_grad_dtype, self.ep_groups.hierarchy)
         else:
             y_ND = self.experts(x_ND, plan.counts)
         out_SD = unpermute(y_ND, plan)

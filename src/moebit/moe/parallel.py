@@ -7,6 +7,9 @@ counts are exchanged first (a tiny all_to_all) and both token exchanges use
 ``all_to_all_single`` with those uneven split sizes, where DeepSpeed sends a padded
 [E, capacity, d] buffer. Gloo supports uneven and zero-sized splits (tested).
 
+The token exchanges themselves (wire formats, the hierarchical two-stage exchange) live in
+``moebit.comm.all_to_all``; ``MoEConfig.a2a_dtype`` / ``a2a_grad_dtype`` pick the formats.
+
 Groups: expert-parallel groups are blocks of ep_size consecutive
 ranks; expert-data-parallel groups stride across them and hold the replicas of the same
 experts. Expert gradients are averaged over the expert-dp group, all others over the world.
@@ -14,8 +17,7 @@ experts. Expert gradients are averaged over the expert-dp group, all others over
 
 from __future__ import annotations
 
-import math
-import time
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +26,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebit.comm import collectives, stats
+from moebit.comm import collectives
+from moebit.comm.all_to_all import (
+    OP_FLAT,
+    Hierarchy,
+    Route,
+    all_to_all_rows,
+    exchange_rows,
+    hierarchy_groups,
+    make_route,
+)
 
-OP_NAME = "moe.all_to_all"
+OP_NAME = OP_FLAT
 
 
 @dataclass(frozen=True)
@@ -41,14 +52,26 @@ class EPGroups:
     expert_dp_group: dist.ProcessGroup | None
     ep_ranks: tuple[int, ...]
     expert_dp_ranks: tuple[int, ...]
+    hierarchy: Hierarchy | None = None  # two-stage token exchange when ep spans nodes
 
 
-def expert_parallel_groups(ep_size: int) -> EPGroups:
+def local_world_size(override: int | None = None) -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE (the whole world when unset)."""
+    if override is not None:
+        return override
+    return int(os.environ.get("LOCAL_WORLD_SIZE", collectives.world_size()))
+
+
+def expert_parallel_groups(ep_size: int, hierarchical: bool = False,
+                           local_size: int | None = None) -> EPGroups:
     """Create the ep and expert-dp groups; every rank must call this, in the same order.
 
     world 8, ep 2: ep groups [0,1] [2,3] [4,5] [6,7]; expert-dp groups [0,2,4,6] [1,3,5,7].
     ``dist.new_group`` is collective over the world, so all groups are created on every
     rank (ep groups first, then expert-dp groups) and each rank keeps its own two.
+    ``hierarchical`` also creates the intra- and inter-node groups of ep groups that span
+    nodes of ``local_size`` ranks (default LOCAL_WORLD_SIZE; torchrun numbers the ranks of
+    a node consecutively); an ep group inside one node stays flat.
     """
     world, me = collectives.world_size(), collectives.rank()
     if not isinstance(ep_size, int) or ep_size < 1:
@@ -72,49 +95,22 @@ def expert_parallel_groups(ep_size: int) -> EPGroups:
                 found = g
         return found
 
-    return EPGroups(ep_size, make(ep_blocks, mine_ep), make(dp_blocks, mine_dp), mine_ep, mine_dp)
-
-
-def _record(x: torch.Tensor, send: list[int], recv: list[int], me: int, seconds: float) -> None:
-    row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have no rows
-    stats.record(OP_NAME, (sum(send) - send[me]) * row, (sum(recv) - recv[me]) * row, seconds)
-
-
-def _all_to_all_rows(
-    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    t0 = time.perf_counter()
-    dist.all_to_all_single(
-        out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
-    )
-    _record(x, send, recv, collectives.rank(group), time.perf_counter() - t0)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows ``send[r]`` go to rank r, ``recv[r]`` come from it; backward is the reverse."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group):  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all_rows(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return _all_to_all_rows(g, ctx.recv, ctx.send, ctx.group), None, None, None
+    ep_group, dp_group = make(ep_blocks, mine_ep), make(dp_blocks, mine_dp)
+    hierarchy = None
+    if hierarchical:  # after the other groups: the creation order must match on every rank
+        hierarchy = hierarchy_groups(ep_blocks, local_world_size(local_size), me)
+    return EPGroups(ep_size, ep_group, dp_group, mine_ep, mine_dp, hierarchy)
 
 
 def all_to_all(
-    x_ND: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None
+    x_ND: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None,
+    fmt: str = "auto", grad_fmt: str = "auto", hierarchy: Hierarchy | None = None,
 ) -> torch.Tensor:
-    """Differentiable all_to_all of rows with uneven splits (``len(send) == group size``)."""
-    n = collectives.world_size(group)
-    if len(send) != n or len(recv) != n:
-        raise ValueError(f"split sizes {send} / {recv} do not match the group size {n}")
+    """Differentiable all_to_all of rows with uneven splits (``len(send) == group size``),
+    the rows in wire format ``fmt`` and their gradients in ``grad_fmt``."""
     if sum(send) != x_ND.shape[0]:
         raise ValueError(f"send splits sum to {sum(send)} but x has {x_ND.shape[0]} rows")
-    return _AllToAll.apply(x_ND, send, recv, group)
+    return all_to_all_rows(x_ND, make_route(send, recv, group, hierarchy), fmt, grad_fmt)
 
 
 def exchange_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -126,7 +122,7 @@ def exchange_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> 
     if ep == 1:
         return counts_E.view(1, -1)
     even = [counts_E.numel() // ep] * ep
-    return _all_to_all_rows(counts_E, even, even, group).view(ep, -1)
+    return exchange_rows(counts_E, Route(even, even, group)).view(ep, -1)
 
 
 def expert_parallel_apply(
@@ -134,17 +130,22 @@ def expert_parallel_apply(
     counts_E: torch.Tensor,
     experts: nn.Module,
     group: dist.ProcessGroup | None,
+    fmt: str = "auto",
+    grad_fmt: str = "auto",
+    hierarchy: Hierarchy | None = None,
 ) -> torch.Tensor:
     """Run ``experts`` (this rank's E_local) on rows sorted by global expert, across ranks.
 
     ``x_ND`` holds this rank's routed rows in global expert order with ``counts_E`` [E]
-    rows per expert; the result has the same rows in the same order.
+    rows per expert; the result has the same rows in the same order. Dispatch and combine
+    send the rows in ``fmt`` and their gradients in ``grad_fmt``.
     """
     ep = collectives.world_size(group)
     recv_RE = exchange_counts(counts_E, group)  # [source rank, local expert]
     send = counts_E.view(ep, -1).sum(1).tolist()
     recv = recv_RE.sum(1).tolist()
-    x_recv = all_to_all(x_ND, send, recv, group)
+    route = make_route(send, recv, group, hierarchy)
+    x_recv = all_to_all_rows(x_ND, route, fmt, grad_fmt)
     # Arrived rank-major ([r][e]); the experts need expert-major blocks ([e][r]).
     ranks, local = recv_RE.shape
     block_key = (torch.arange(local).unsqueeze(0) * ranks + torch.arange(ranks).unsqueeze(1))
@@ -153,7 +154,7 @@ def expert_parallel_apply(
     y_local = experts(x_recv.index_select(0, to_expert_major), recv_RE.sum(0).tolist())
     back_to_rank_major = torch.argsort(to_expert_major)
     y_recv = y_local.index_select(0, back_to_rank_major)
-    return all_to_all(y_recv, recv, send, group)
+    return all_to_all_rows(y_recv, route.reversed(), fmt, grad_fmt)
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
