@@ -96,7 +96,10 @@ def model_step_seconds(cfg: TrainConfig, procs: int = 1, steps: int = 10) -> flo
     Expert parallelism is set to 1 (one process holds every expert; the FLOPs per token
     are the same), the optimizer to Adam (the update is priced separately).
     """
-    one = validate(dataclasses.replace(cfg, ep_size=1, optimizer="adam", extra={},
+    model = cfg.model
+    if model.moe is not None:
+        model = dataclasses.replace(model, moe=model.moe.replace(ep_size=1))
+    one = validate(dataclasses.replace(cfg, model=model, optimizer="adam", extra={},
                                        threads=cfg.threads or 1))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
