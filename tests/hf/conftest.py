@@ -40,3 +40,21 @@ def make_hf_model(family: str, folder: Path, seed: int = 0, **overrides):
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param
+
+
+def train_tokenizer(folder: Path, vocab_size: int = 320) -> Path:
+    """A byte-level BPE tokenizer trained on a few KB of the stdlib (nothing downloaded)."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:20000]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moebit.comm import collectives
-from moebit.hf.config import FAMILIES, HFDecoderConfig
+from moebit.hf.config import FAMILIES, HFDecoderConfig, read_config
 from moebit.hf.weights import LoadReport, load_hf_weights, write_shards
 from moebit.models.hf_decoder import HFDecoder, rope_inv_freq
 from moebit.moe import expert_parallel_groups
@@ -27,18 +27,6 @@ __all__ = ["FAMILIES", "HFDecoder", "HFDecoderConfig", "LoadReport", "build_empt
            "from_pretrained", "load_hf_weights", "read_config", "save_pretrained"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def read_config(path: str | Path, ep_size: int = 1) -> HFDecoderConfig:
-    """The decoder config of a Hugging Face folder's ``config.json`` (errors name the key)."""
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"{p} does not exist: not a Hugging Face model folder")
-    try:
-        hf = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p} is not valid JSON: {e}") from None
-    return HFDecoderConfig.from_hf(hf, ep_size=ep_size)
 
 
 def build_empty(cfg: HFDecoderConfig, dtype: torch.dtype = torch.float32) -> HFDecoder:

@@ -14,7 +14,9 @@ is an error naming it: a checkpoint never silently means something else.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -51,6 +53,7 @@ class HFDecoderConfig:
     rope_type: str = "default"
     rope_factor: float = 1.0
     max_position_embeddings: int = 4096
+    block_size: int = 0  # sequence length moebit trains / decodes at; 0: max_position_embeddings
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v (Qwen2-MoE's qkv_bias)
     qk_norm: str = "none"  # "head" (Qwen3: RMSNorm over head_dim), "full" (OLMoE: over H*Dh)
@@ -72,17 +75,14 @@ class HFDecoderConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+        if not self.block_size:
+            self.block_size = self.max_position_embeddings
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"moe_layers {bad} are outside the {self.num_layers} layers")
         if self.moe_layers and self.num_experts % self.ep_size:
             raise ValueError(f"num_experts = {self.num_experts} is not divisible by "
                              f"ep_size = {self.ep_size}")
-
-    @property
-    def block_size(self) -> int:
-        """The longest sequence decoding may build (moebit.generate reads this name)."""
-        return self.max_position_embeddings
 
     @property
     def is_moe(self) -> bool:
@@ -206,3 +206,15 @@ def _moe_layers(hf: dict[str, Any], n_layers: int, num_experts: int) -> list[int
     first = int(hf.get("first_k_dense_replace", 0) or 0)
     return [i for i in range(n_layers)
             if i not in dense and (i + 1) % step == 0 and i >= first]
+
+
+def read_config(path: str | Path, ep_size: int = 1) -> HFDecoderConfig:
+    """The decoder config of a Hugging Face folder's ``config.json`` (errors name the key)."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist: not a Hugging Face model folder")
+    try:
+        hf = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+    return HFDecoderConfig.from_hf(hf, ep_size=ep_size)
