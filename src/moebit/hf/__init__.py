@@ -24,9 +24,22 @@ from moebit.models.hf_decoder import HFDecoder, rope_inv_freq
 from moebit.moe import expert_parallel_groups
 
 __all__ = ["FAMILIES", "HFDecoder", "HFDecoderConfig", "LoadReport", "build_empty",
-           "from_pretrained", "load_hf_weights", "read_config", "save_pretrained"]
+           "from_pretrained", "is_hf_folder", "load_hf_weights", "read_config", "save_pretrained"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face model folder: a config.json with a model_type, and safetensors."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return False
+    try:
+        has_type = "model_type" in json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, OSError):
+        return False
+    return has_type and ((p / "model.safetensors").is_file()
+                         or (p / "model.safetensors.index.json").is_file())
 
 
 def build_empty(cfg: HFDecoderConfig, dtype: torch.dtype = torch.float32) -> HFDecoder:
