@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_models import make_hf_model, train_tokenizer
 
 from moebit.data import load_corpus
 from moebit.hf.tokens import load_tokenizer, tokenize_corpus
 from moebit.loading import load_model
-from tests.hf.conftest import make_hf_model, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

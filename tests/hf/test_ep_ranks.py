@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import make_hf_model
 
 from moebit.testing import run_on_ranks
-from tests.hf.conftest import make_hf_model
 
 transformers = pytest.importorskip("transformers")
 

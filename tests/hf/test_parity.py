@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from hf_models import make_hf_model
 
 from moebit.generate import generate_tokens
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
 from moebit.hf.config import HFDecoderConfig
-from tests.hf.conftest import make_hf_model
 
 transformers = pytest.importorskip("transformers")
 
