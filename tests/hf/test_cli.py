@@ -76,6 +76,8 @@ def test_train_ep2_resume_export_generate(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
         assert (orig(ids).logits - model(ids).logits).abs().max() > 1e-3  # it did train
+    r = _moebit(["eval", str(run)], tmp_path)  # scored on the tokenizer's ids
+    assert r.returncode == 0, r.stderr[-3000:]
     r = _moebit(["generate", str(tmp_path / "out"), "--prompt", "def ", "--temperature", "0",
                  "--max-new-tokens", "5", "--threads", "1"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
