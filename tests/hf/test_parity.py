@@ -121,3 +121,16 @@ def test_layer_patterns():
     step = HFDecoderConfig.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert step.moe_layers == [1, 5]
     assert HFDecoderConfig.from_hf({**base, "first_k_dense_replace": 2}).moe_layers == [2, 3, 4, 5]
+
+
+def test_tied_embeddings(tmp_path):
+    ref = make_hf_model("qwen3_moe", tmp_path, tie_word_embeddings=True)
+    model = from_pretrained(tmp_path)
+    assert model.lm_head.weight is model.wte.weight
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-4, rtol=0)
+    save_pretrained(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-4, rtol=0)

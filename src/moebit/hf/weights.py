@@ -136,7 +136,6 @@ def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
     """Copy a safetensors checkpoint into ``model`` (an ``HFDecoder``); missing tensors and
     shape mismatches raise naming the tensor. Returns what was read."""
     src = SafetensorsFolder(Path(folder))
-    tied = model.config.tie_word_embeddings
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as wte
         if ".mlp.experts." in name:
             continue
@@ -146,8 +145,6 @@ def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
         if hn not in src:
             raise KeyError(f"checkpoint {src.folder} has no tensor {hf_name(name)}")
         _copy(p, src.read(hn), hn)
-    if not tied and "lm_head.weight" not in {n for n, _ in model.named_parameters()}:
-        raise KeyError("model has no lm_head.weight")
     for layer in model.config.moe_layers:
         _load_experts(model, src, layer)
     return src.report
