@@ -51,3 +51,27 @@ def test_ddp_hook_optimizer_matches_moebit_exchange(name):
         torch.testing.assert_close(torch.tensor(res["ddp"]), torch.tensor(res["moebit"]),
                                    atol=1e-4, rtol=0)
         assert res["moebit"][-1] < res["moebit"][0]  # it trains
+
+
+@pytest.mark.slow
+def test_torchrun_two_gloo_ranks(tmp_path):
+    """The same check launched for real by torchrun (as accelerate / Trainer runs are)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_onebit_torchrun.py")
+    out = tmp_path / "losses.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--standalone", str(script), str(out)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["frozen_at"] is not None  # the run went past the variance freeze
+    for losses in res["ranks"]:
+        torch.testing.assert_close(torch.tensor(losses["ddp"]), torch.tensor(losses["moebit"]),
+                                   atol=1e-4, rtol=0)
+        assert min(losses["ddp"][1:]) < losses["ddp"][0]  # it trains
