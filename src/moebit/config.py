@@ -21,7 +21,9 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebit.hf.config import read_config  # imports the moebit.hf package (safetensors)
 from moebit.models.gpt import GPTConfig
+from moebit.models.hf_decoder import moe_config_for
 from moebit.moe import MoEConfig
 from moebit.optim import EXACT_OPTIMIZERS, optimizer_names
 
@@ -75,14 +77,29 @@ class TrainConfig:
     max_nan_skips: int = 10  # consecutive skipped steps before the run stops anyway
     resume: bool = False  # set by `moebit train --resume RUN`: continue from its latest checkpoint
     extra: dict[str, Any] = field(default_factory=dict)  # optimizer-specific settings
+    # a Hugging Face model folder to fine-tune (moebit.hf); None trains moebit's GPT
+    init_from: str | None = None
 
     @property
     def moe(self) -> MoEConfig | None:
         """The MoE blocks' settings (None for a dense model)."""
+        if self.init_from:
+            hf = self.model_config()
+            return moe_config_for(hf) if hf.is_moe else None
         return self.model.moe
 
-    def model_config(self) -> GPTConfig:
-        return self.model
+    def model_config(self) -> Any:
+        """The GPTConfig, or with ``init_from`` the folder's HFDecoderConfig (read once;
+        its sequence length is ``block_size``, its expert parallelism ``ep_size``)."""
+        if not self.init_from:
+            return self.model
+        if getattr(self, "_hf_config", None) is None:
+            hf = read_config(self.init_from, ep_size=getattr(self, "hf_ep_size", 1))
+            if self.model.block_size > hf.max_position_embeddings:
+                raise ConfigError(f"block_size {self.model.block_size} exceeds the model's "
+                                  f"max_position_embeddings {hf.max_position_embeddings}")
+            self._hf_config = hf.replace(block_size=self.model.block_size)
+        return self._hf_config
 
     def resolved_freeze_step(self) -> int | str | None:
         if self.optimizer in EXACT_OPTIMIZERS:
@@ -94,7 +111,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Flat keys, as flags and config files spell them."""
         out: dict[str, Any] = {}
-        moe = self.model.moe or MoEConfig(num_experts=1)
+        moe = self.moe or MoEConfig(num_experts=1)
         for key, (owner, name) in FLAT_KEYS.items():
             src = self if owner == "train" else self.model if owner == "model" else moe
             value = getattr(src, name)
@@ -273,4 +290,11 @@ def build(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] |
         model = GPTConfig(**values["model"], moe=values["moe"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return validate(TrainConfig(model=model, **values["train"]))
+    cfg = validate(TrainConfig(model=model, **values["train"]))
+    if cfg.init_from:
+        cfg.hf_ep_size = values["moe"].get("ep_size", 1)  # the HF model's experts, not GPT's
+        try:
+            cfg.model_config()
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"init_from: {e}") from None
+    return cfg

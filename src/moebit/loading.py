@@ -15,6 +15,7 @@ import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, latest, read_manifest
 from moebit.checkpoint.train_state import load_model_weights
+from moebit.hf import HFDecoder, HFDecoderConfig
 from moebit.models.gpt import GPT, GPTConfig
 
 
@@ -40,13 +41,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def model_config_of(manifest: dict, where: Path) -> GPTConfig:
-    """The GPTConfig saved in a manifest; another kind of checkpoint is named as such."""
+def model_config_of(manifest: dict, where: Path) -> GPTConfig | HFDecoderConfig:
+    """The model config saved in a manifest (a GPTConfig, or a Hugging Face family's
+    HFDecoderConfig); another kind of checkpoint is named as such."""
     mc = manifest.get("model_config")
     if not isinstance(mc, dict) or "ep_size" not in manifest or "files" not in manifest:
         raise CheckpointError(
             f"{where / MANIFEST} is not a moebit GPT checkpoint (no model_config / ep_size / files)"
         )
+    if "model_type" in mc:
+        try:
+            return HFDecoderConfig.from_dict(mc)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: its Hugging Face model_config is invalid ({e})") from None
     try:
         return GPTConfig(**mc)
     except (TypeError, ValueError) as e:
@@ -56,8 +63,9 @@ def model_config_of(manifest: dict, where: Path) -> GPTConfig:
 
 def load_model(
     path: str | Path, ep_size: int = 1, rank: int = 0, dtype: torch.dtype | None = None
-) -> GPT:
-    """Build the GPT a checkpoint was saved from and load its weights, in eval mode.
+) -> GPT | HFDecoder:
+    """Build the model (GPT or a Hugging Face family) a checkpoint was saved from and load
+    its weights, in eval mode.
 
     ``ep_size > 1`` splits every MoE layer's experts over that many ranks (the process
     group must be initialised; call on every rank); this rank keeps the slice of
@@ -67,6 +75,10 @@ def load_model(
     d = resolve_checkpoint(path)
     manifest = read_manifest(d)
     cfg = model_config_of(manifest, d)
+    if isinstance(cfg, HFDecoderConfig):
+        model = HFDecoder(cfg.replace(ep_size=ep_size if cfg.is_moe else 1))
+        load_model_weights(d, manifest, model, rank, ep_size if cfg.is_moe else 1)
+        return (model.to(dtype) if dtype is not None else model).eval()
     if cfg.is_moe:
         cfg.moe = cfg.moe.replace(ep_size=ep_size)
     elif ep_size > 1:

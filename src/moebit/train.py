@@ -48,6 +48,7 @@ from moebit.grads import (
     non_finite,
     report_freeze,
 )
+from moebit.hf.tokens import corpus_for_model
 from moebit.metrics import MetricsWriter
 from moebit.models.build import build_model
 from moebit.models.interface import CausalLM, is_expert_param
@@ -184,6 +185,8 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     hooks = hooks or Hooks()
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
+    if cfg.init_from:  # a Hugging Face model trains on its tokenizer's ids
+        corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
@@ -295,7 +298,7 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     summary = end_record(cfg, model, opt, meter, val_loss, time.perf_counter() - t_start,
                          corpus.unigram_entropy())
     summary.update(hooks.end(loop, summary))
-    if cfg.samples:
+    if cfg.samples and not cfg.init_from:  # byte prompts: moebit's GPT only
         texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
         summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]
     say(summary)

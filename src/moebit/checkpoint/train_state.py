@@ -161,11 +161,15 @@ def check_model_config(manifest: dict[str, Any], now: dict[str, Any], where: Pat
     Both sides go through GPTConfig first, so a manifest written before a setting existed
     (it then holds its default) still matches.
     """
-    try:
-        saved = GPTConfig(**manifest["model_config"]).to_dict()
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where} holds another model type: {e}") from None
-    saved, now = _without_ep(saved), _without_ep(GPTConfig(**now).to_dict())
+    if "model_type" in now or "model_type" in manifest["model_config"]:  # a Hugging Face family
+        saved = {k: v for k, v in manifest["model_config"].items() if k != "ep_size"}
+        now = {k: v for k, v in now.items() if k != "ep_size"}
+    else:
+        try:
+            saved = GPTConfig(**manifest["model_config"]).to_dict()
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where} holds another model type: {e}") from None
+        saved, now = _without_ep(saved), _without_ep(GPTConfig(**now).to_dict())
     diff = [k for k in now if saved.get(k) != now[k]]
     if diff:
         parts = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diff)

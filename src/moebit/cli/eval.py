@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.data import load_corpus, val_batches
+from moebit.hf.tokens import corpus_for_model
 from moebit.loading import load_model, resolve_checkpoint
 from moebit.train import evaluate
 
@@ -87,6 +88,8 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     bsz = batch_size or int(run_cfg["batch_size"])
     corpus = load_corpus(run_cfg.get("data"), run_cfg.get("encoding", "utf-8"),
                          run_cfg.get("encoding_errors", "strict"))
+    if run_cfg.get("init_from"):  # a Hugging Face model: its tokenizer's ids (cached)
+        corpus = corpus_for_model(corpus, run_cfg["init_from"], model.config.vocab_size)
     if as_trained:
         wins = val_batches(corpus.val, block, int(run_cfg["batch_size"]),
                            batches or int(run_cfg["eval_batches"]), int(run_cfg["seed"]))
@@ -101,7 +104,8 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     return {"run": str(path), "checkpoint": str(ckpt), "step": manifest.get("step"),
             "n_params": n_params, "val_loss": val, "bits_per_byte": val / math.log(2),
             "windows": n_windows, "target_bytes": n_windows * block, "dtype": use,
-            "as_trained": as_trained}
+            "as_trained": as_trained,
+            "unit": "token" if run_cfg.get("init_from") else "byte"}
 
 
 def plot_rows(rows: list[dict[str, Any]], path: str) -> None:

@@ -3,6 +3,10 @@
     moebit generate runs/a --prompt "def " --prompt "class " --max-new-tokens 200
     moebit generate runs/a --prompt "def " --temperature 0            # greedy
     moebit generate runs/a --prompts-file prompts.txt --batch 32 --nproc 2 --quantize int8
+    moebit generate path/to/hf-model --prompt "def " --temperature 0  # a Hugging Face folder
+
+A Hugging Face folder (or a run trained ``--init-from`` one) decodes through its
+``tokenizer.json`` (text in, text out); moebit's GPT decodes bytes.
 
 With ``--nproc N`` the ranks are launched through torch.distributed.run, each re-running
 this module with ``--worker``: the prompts are split across ranks, and an MoE model's
@@ -19,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,8 @@ from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.generate import generate_tokens
+from moebit.hf import HFDecoderConfig, from_pretrained, is_hf_folder, read_config
+from moebit.hf.tokens import TOKENIZER_FILE, load_tokenizer
 from moebit.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.quantize import quantize_experts_
 
@@ -84,11 +91,15 @@ def _check(args: argparse.Namespace) -> int:
         raise ValueError("--batch and --nproc must be >= 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
-    d = resolve_checkpoint(args.checkpoint)
-    cfg = model_config_of(read_manifest(d), d)
-    for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
-        print(f"moebit generate: warning: {line}", file=sys.stderr)
-    counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
+    cfg, d, tok = _source(args.checkpoint)
+    if tok is not None and args.stop:
+        raise ValueError("--stop compares bytes: it works with byte-level models only")
+    if isinstance(cfg, HFDecoderConfig):
+        counts = [cfg.num_experts] * len(cfg.moe_layers)
+    else:
+        for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
+            print(f"moebit generate: warning: {line}", file=sys.stderr)
+        counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
     if args.quantize == "int8" and not counts:
         raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
     ep = args.ep_size
@@ -119,6 +130,23 @@ def window_warnings(prompts: list[str], max_new_tokens: int, block_size: int) ->
         out.append(f"--max-new-tokens {max_new_tokens}: with block size {block_size}, texts stop "
                    f"when prompt + new bytes fill the window (as few as {room} new bytes here)")
     return out
+def _source(path: str) -> tuple[Any, Path, Path | None]:
+    """(model config, folder, tokenizer.json or None) of a run, a checkpoint or a Hugging
+    Face folder; a run trained ``--init-from`` an HF folder decodes with its tokenizer."""
+    if is_hf_folder(path):
+        tok = Path(path) / TOKENIZER_FILE
+        return read_config(path), Path(path), tok if tok.is_file() else None
+    d = resolve_checkpoint(path)
+    manifest = read_manifest(d)
+    init = (manifest.get("config") or {}).get("init_from")
+    tok = Path(init) / TOKENIZER_FILE if init else None
+    return model_config_of(manifest, d), d, tok if tok is not None and tok.is_file() else None
+
+
+def _load(path: str, ep: int, rank: int) -> torch.nn.Module:
+    if is_hf_folder(path):
+        return from_pretrained(path, ep_size=ep, rank=rank)
+    return load_model(path, ep_size=ep, rank=rank)
 
 
 def _run_rank(args: argparse.Namespace, ep: int) -> int:
@@ -129,7 +157,9 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
     try:
         t0 = time.perf_counter()
-        model = load_model(args.checkpoint, ep_size=ep, rank=info.rank)
+        model = _load(args.checkpoint, ep, info.rank)
+        tok_path = _source(args.checkpoint)[2]
+        tok = load_tokenizer(tok_path) if tok_path is not None else None
         report = None
         if args.quantize == "int8":  # before the cast: the report compares with float32 experts
 
@@ -139,12 +169,12 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
         load_s = time.perf_counter() - t0
         prompts = _prompts(args)
         res = generate_tokens(
-            model, [list(p.encode("utf-8")) for p in prompts], args.max_new_tokens,
+            model, [_encode(tok, p) for p in prompts], args.max_new_tokens,
             args.temperature, args.top_k or None, args.seed, args.batch,
             args.stop.encode("utf-8") if args.stop else None,
         )
         if info.is_main:
-            texts = [bytes(t).decode("utf-8", errors="replace") for t in res.tokens]
+            texts = [_decode(tok, t) for t in res.tokens]
             for p, t in zip(prompts, texts, strict=True):
                 print(p + t)
                 print("-" * 40)
@@ -168,6 +198,14 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    return list(text.encode("utf-8")) if tok is None else tok.encode(text, add_special_tokens=False).ids
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace") if tok is None else tok.decode(ids)
 
 
 ARGS_ENV = "MOEBIT_GENERATE_ARGS"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from moebit.hf import HFDecoder, HFDecoderConfig, build_empty, load_hf_weights
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.models.interface import CausalLM
 
@@ -17,8 +18,16 @@ class HasModelConfig(Protocol):
 
 
 def build_model(cfg: HasModelConfig) -> CausalLM:
-    """The model ``cfg.model_config()`` describes, freshly initialised from torch's RNG."""
+    """The model ``cfg.model_config()`` describes, freshly initialised from torch's RNG
+    (a Hugging Face config with ``cfg.init_from``: that folder's weights)."""
     mcfg = cfg.model_config()
     if isinstance(mcfg, GPTConfig):
         return GPT(mcfg)
+    if isinstance(mcfg, HFDecoderConfig):  # a Hugging Face family: its weights when given
+        init = getattr(cfg, "init_from", None)
+        if not init:
+            return HFDecoder(mcfg)
+        model = build_empty(mcfg)
+        load_hf_weights(model, init)
+        return model
     raise TypeError(f"build_model: no model family for a {type(mcfg).__name__} configuration")

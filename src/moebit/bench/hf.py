@@ -1,0 +1,199 @@
+"""``moebit bench hf``: a Mixtral-style model in moebit against transformers, same weights.
+
+transformers builds a random Mixtral (d 512, 4 layers, 8 heads, SwiGLU experts of width
+1360, top-2, byte vocabulary), saves it, and ``moebit.hf.from_pretrained`` loads the very
+same weights. Then, interleaved rep by rep so that a busy host slows both alike:
+
+- forward+backward of the whole model on B x T tokens (transformers with
+  ``_experts_implementation = "grouped_mm"``, its fastest, and SDPA attention);
+- one MoE block forward+backward, and the attention of one layer (the breakdown);
+- one ``torch.optim.AdamW(fused=True)`` step on each model's parameters;
+- decode latency per step: transformers ``generate`` with a static cache against
+  ``moebit.generate.generate_tokens`` (greedy, batch 1 and 16);
+- loading a sharded checkpoint: one process against ep 2 (2 gloo ranks): time and the
+  peak resident memory added by the load.
+
+    moebit bench hf --experts 16 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moebit.generate import generate_tokens
+from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config
+from moebit.testing import run_on_ranks
+
+
+def _hf_model(args: argparse.Namespace, folder: Path) -> Any:
+    import transformers  # optional peer: only this benchmark needs it
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=256, hidden_size=args.d_model, intermediate_size=args.d_ffn,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.heads, num_local_experts=args.experts, num_experts_per_tok=2,
+        max_position_embeddings=2048)
+    cfg._experts_implementation = "grouped_mm"
+    cfg._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gate.weight"):
+                p.normal_(0, 0.02)  # routers start at zero: give them a realistic spread
+    model.save_pretrained(folder, max_shard_size="100MB")
+    return model
+
+
+def _time(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _interleaved(fns: dict[str, Any], reps: int) -> dict[str, float]:
+    """Median ms of each function, one rep of each in turn (the first call is a warm-up)."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            times[k].append(_time(f))
+    return {k: round(1e3 * statistics.median(v), 1) for k, v in times.items()}
+
+
+def _train_parts(hf: Any, mb: Any, ids: torch.Tensor, reps: int) -> dict[str, float]:
+    def hf_step() -> None:
+        hf(ids, labels=ids, output_router_logits=True).loss.backward()  # loss + aux loss
+
+    def mb_step() -> None:
+        out = mb(ids, ids)
+        (out.loss + out.aux_loss).backward()
+
+    x = torch.randn(ids.shape[0], ids.shape[1], hf.config.hidden_size, requires_grad=True)
+    hf_moe, mb_moe = hf.model.layers[0].mlp, mb.blocks[0].mlp
+
+    def hf_block() -> None:
+        hf_moe(x).sum().backward()
+
+    def mb_block() -> None:
+        mb_moe(x).hidden.sum().backward()
+
+    res = _interleaved({"hf_fwd_bwd": hf_step, "moebit_fwd_bwd": mb_step,
+                        "hf_moe_block": hf_block, "moebit_moe_block": mb_block}, reps)
+    res.update(_attention_and_optimizer(hf, mb, x, reps))
+    return res
+
+
+def _attention_and_optimizer(hf: Any, mb: Any, x: torch.Tensor, reps: int) -> dict[str, float]:
+    b, t, _ = x.shape
+    pos = torch.arange(t)[None].expand(b, t)
+    cos_sin = mb._cos_sin(pos)
+    attn = mb.blocks[0].self_attn
+
+    def mb_attn() -> None:
+        attn(x, cos_sin).sum().backward()
+
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for name, m in
+            (("hf", hf), ("moebit", mb))}
+    for m in (hf, mb):
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+    out = _interleaved({"moebit_attention_layer": mb_attn,
+                        "hf_adamw_fused": opts["hf"].step,
+                        "moebit_adamw_fused": opts["moebit"].step}, reps)
+    for m in (hf, mb):
+        m.zero_grad(set_to_none=True)
+    return out
+
+
+def _decode(hf: Any, mb: Any, batch: int, new: int, reps: int) -> dict[str, float]:
+    ids = torch.randint(0, 256, (batch, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+
+    def hf_gen(n: int) -> float:
+        return _time(lambda: hf.generate(ids, attention_mask=mask, do_sample=False,
+                                         max_new_tokens=n, min_new_tokens=n,
+                                         cache_implementation="static"))
+
+    hf_gen(2)
+    generate_tokens(mb, ids.tolist(), max_new_tokens=2, temperature=0)
+    hf_steps, mb_steps = [], []
+    for _ in range(reps):
+        hf_steps.append((hf_gen(new + 1) - hf_gen(1)) / new)
+        r = generate_tokens(mb, ids.tolist(), max_new_tokens=new + 1, temperature=0,
+                            batch_size=batch)
+        mb_steps.append(statistics.median(r.per_step_s))
+    return {f"hf_decode_ms_b{batch}": round(1e3 * statistics.median(hf_steps), 2),
+            f"moebit_decode_ms_b{batch}": round(1e3 * statistics.median(mb_steps), 2)}
+
+
+def _load_rank(rank: int, world: int, folder: str) -> dict[str, float]:
+    torch.set_num_threads(1)
+    cfg = read_config(folder, ep_size=world)
+    build_empty(cfg.replace(num_layers=1, moe_layers=[0]))  # torch's one-time meta-device warm-up
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    model = build_empty(cfg)
+    report = load_hf_weights(model, folder)
+    dt = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"load_s": round(dt, 3), "peak_rss_added_mb": round((rss - rss0) / 1024, 1),
+            "tensors_read": len(report.tensors_read)}
+
+
+def _loading(folder: Path) -> dict[str, Any]:
+    one = run_on_ranks(_load_rank, world=1, args=(str(folder),), timeout=600)[0]
+    two = run_on_ranks(_load_rank, world=2, args=(str(folder),), timeout=600)
+    return {"load_one_process": one, "load_ep2_per_rank": two}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="moebit bench hf", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--d-ffn", type=int, default=1360)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip", action="append", default=[], choices=("train", "decode", "load"))
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    res: dict[str, Any] = {"args": vars(args), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory(prefix="moebit-bench-hf-") as tmp:
+        hf = _hf_model(args, Path(tmp))
+        mb = from_pretrained(tmp).train()
+        res["params"] = mb.num_params()
+        if "train" not in args.skip:
+            ids = torch.randint(0, 256, (args.batch, args.seq),
+                                generator=torch.Generator().manual_seed(1))
+            hf.train()
+            res.update(_train_parts(hf, mb, ids, args.reps))
+        if "decode" not in args.skip:
+            hf.eval()
+            mb.eval()
+            with torch.no_grad():
+                for b in (1, 16):
+                    res.update(_decode(hf, mb, b, args.decode_steps, args.reps))
+        del hf, mb
+        if "load" not in args.skip:
+            res.update(_loading(Path(tmp)))
+    print(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0

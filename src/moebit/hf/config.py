@@ -1,0 +1,220 @@
+"""`HFDecoderConfig`: one Hugging Face MoE ``config.json`` in moebit's terms.
+
+The four families differ in a handful of switches (where the experts' width is stored,
+whether the router renormalises its top-k weights, q/k norms per head or over the whole
+projection, a gated shared expert, which layers are dense); everything else is the same
+pre-norm RMSNorm/RoPE/GQA decoder. A key this mapping does not understand, and a value
+moebit does not implement (sliding windows, an unknown RoPE type, another activation),
+is an error naming it: a checkpoint never silently means something else.
+
+    cfg = HFDecoderConfig.from_hf(json.load(open("model/config.json")), ep_size=2)
+    cfg.to_hf()        # the config.json to write back (the original keys, dtype updated)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROPE_TYPES = ("default", "linear")
+QK_NORMS = ("none", "head", "full")
+# model types with a known reason they do not load (named in the error)
+_UNSUPPORTED = {
+    "deepseek_v3": "its multi-head latent attention (MLA) is not implemented in moebit; "
+                   "its MoE block is (moebit.moe routing options)",
+    "deepseek_v2": "its multi-head latent attention (MLA) is not implemented in moebit",
+}
+
+
+@dataclass
+class HFDecoderConfig:
+    """The decoder moebit builds; ``hf`` keeps the source config.json for saving back."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense layers' SwiGLU width
+    moe_intermediate_size: int  # each routed expert's width
+    num_experts: int
+    num_experts_per_tok: int
+    moe_layers: list[int]
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    block_size: int = 0  # sequence length moebit trains / decodes at; 0: max_position_embeddings
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v (Qwen2-MoE's qkv_bias)
+    qk_norm: str = "none"  # "head" (Qwen3: RMSNorm over head_dim), "full" (OLMoE: over H*Dh)
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    attention_dropout: float = 0.0
+    router_aux_loss_coef: float = 0.01
+    ep_size: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    hf: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {FAMILIES}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if not self.block_size:
+            self.block_size = self.max_position_embeddings
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"moe_layers {bad} are outside the {self.num_layers} layers")
+        if self.moe_layers and self.num_experts % self.ep_size:
+            raise ValueError(f"num_experts = {self.num_experts} is not divisible by "
+                             f"ep_size = {self.ep_size}")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HFDecoderConfig:
+        """Rebuild from ``to_dict`` (a checkpoint manifest); unknown fields are errors."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(d) - names)
+        if extra:
+            raise ValueError(f"HFDecoderConfig: unknown fields {extra}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> HFDecoderConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_hf(self, dtype: str | None = None) -> dict[str, Any]:
+        """The config.json transformers loads: the source keys, ``dtype`` updated."""
+        out = dict(self.hf)
+        if dtype is not None:
+            out["dtype"] = dtype
+        return out
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], ep_size: int = 1) -> HFDecoderConfig:
+        """Map a transformers config.json (4.x or 5.x spelling) to the decoder moebit builds."""
+        mt = hf.get("model_type")
+        if mt in _UNSUPPORTED:
+            raise ValueError(f"model_type {mt!r} is not supported: {_UNSUPPORTED[mt]}")
+        if mt not in FAMILIES:
+            raise ValueError(f"model_type {mt!r} is not supported; supported: {FAMILIES}")
+        _check_options(hf, mt)
+        g = _Getter(hf, mt)
+        n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
+        hidden = g.need("hidden_size")
+        e = g.first("num_experts", "num_local_experts")
+        moe_width = (g.need("intermediate_size") if mt in ("mixtral", "olmoe")
+                     else g.need("moe_intermediate_size"))
+        rope_theta, rope_type, rope_factor = _rope(hf)
+        return cls(
+            model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
+            num_layers=n_layers, num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            intermediate_size=g.need("intermediate_size"), moe_intermediate_size=moe_width,
+            num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
+            moe_layers=_moe_layers(hf, n_layers, e),
+            norm_topk_prob=True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
+                                             if mt == "qwen2_moe" else 0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta, rope_type=rope_type, rope_factor=rope_factor,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("qkv_bias", True) if mt == "qwen2_moe"
+                                else hf.get("attention_bias", False)),
+            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(mt, "none"),
+            clip_qkv=hf.get("clip_qkv"), attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            ep_size=ep_size, bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"), hf=dict(hf),
+        )
+
+
+class _Getter:
+    def __init__(self, hf: dict[str, Any], mt: str) -> None:
+        self.hf, self.mt = hf, mt
+
+    def need(self, key: str) -> Any:
+        if self.hf.get(key) is None:
+            raise ValueError(f"{self.mt} config.json has no {key!r}")
+        return self.hf[key]
+
+    def first(self, *keys: str) -> Any:
+        for k in keys:
+            if self.hf.get(k) is not None:
+                return self.hf[k]
+        raise ValueError(f"{self.mt} config.json has none of {keys}")
+
+
+def _check_options(hf: dict[str, Any], mt: str) -> None:
+    """Options whose non-default values moebit does not implement: named errors."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
+    if hf.get("use_sliding_window") or (mt == "mixtral" and hf.get("sliding_window")):
+        raise ValueError(f"{mt}: sliding_window attention is not supported "
+                         f"(sliding_window = {hf.get('sliding_window')})")
+    if hf.get("router_jitter_noise"):
+        raise ValueError(f"router_jitter_noise = {hf['router_jitter_noise']} is not supported "
+                         "(set it to 0)")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, str, float]:
+    """(theta, type, factor) from 5.x ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rtype = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rtype not in ROPE_TYPES:
+        raise ValueError(f"RoPE scaling rope_type {rtype!r} is not supported; supported: {ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("rope_parameters.partial_rotary_factor != 1 is not supported")
+    factor = float(params.get("factor", scaling.get("factor", 1.0))) if rtype == "linear" else 1.0
+    return float(theta), rtype, factor
+
+
+def _moe_layers(hf: dict[str, Any], n_layers: int, num_experts: int) -> list[int]:
+    """Which layers are MoE: every ``decoder_sparse_step``-th, minus ``mlp_only_layers``,
+    from ``first_k_dense_replace`` on (the DeepSeek spelling), none without experts."""
+    if not num_experts:
+        return []
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    first = int(hf.get("first_k_dense_replace", 0) or 0)
+    return [i for i in range(n_layers)
+            if i not in dense and (i + 1) % step == 0 and i >= first]
+
+
+def read_config(path: str | Path, ep_size: int = 1) -> HFDecoderConfig:
+    """The decoder config of a Hugging Face folder's ``config.json`` (errors name the key)."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist: not a Hugging Face model folder")
+    try:
+        hf = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+    return HFDecoderConfig.from_hf(hf, ep_size=ep_size)

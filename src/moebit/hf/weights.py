@@ -1,0 +1,220 @@
+"""Hugging Face safetensors checkpoints <-> ``HFDecoder`` parameters.
+
+Reading goes through ``safetensors.safe_open`` (memory-mapped, no pickle), one tensor at a
+time straight into the model's parameter, so peak memory is the model plus one tensor.
+Both expert layouts load:
+
+- transformers 5.x fused: ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+  ``mlp.experts.down_proj`` [E, H, I]: moebit's own layout, sliced to the local experts
+  (``get_slice``: a rank reads only its rows);
+- transformers 4.x per expert (what 5.x's ``save_pretrained`` still writes):
+  ``experts.N.gate_proj/up_proj/down_proj.weight`` (Qwen, OLMoE) or, under Mixtral's
+  ``block_sparse_moe``, ``experts.N.w1/w3/w2.weight``: a rank opens only its experts'.
+
+Writing produces the per-expert layout (which transformers 4.x and 5.x both load), as
+sharded safetensors with ``model.safetensors.index.json``: one shard of the non-expert
+tensors and one per expert-parallel rank, each written by the rank holding those experts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# per-expert names: (gate, up, down) of the 4.x layout
+_PER_EXPERT = {"mixtral": ("w1", "w3", "w2")}
+_DEFAULT_PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoadReport:
+    """What a load read: tests check that an expert-parallel rank read only its experts."""
+
+    tensors_read: list[str] = field(default_factory=list)
+    files_opened: list[str] = field(default_factory=list)
+
+
+class SafetensorsFolder:
+    """The tensors of a checkpoint folder, opened lazily file by file."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.report = LoadReport()
+        self._handles: dict[str, Any] = {}
+        if (folder / INDEX).is_file():
+            wm = json.loads((folder / INDEX).read_text()).get("weight_map")
+            if not isinstance(wm, dict):
+                raise ValueError(f"{folder / INDEX} has no weight_map")
+            self.where: dict[str, str] = dict(wm)
+        elif (folder / SINGLE).is_file():
+            self.where = {k: SINGLE for k in self._open(SINGLE).keys()}
+        else:
+            raise FileNotFoundError(f"{folder} holds neither {SINGLE} nor {INDEX}")
+
+    def _open(self, file: str) -> Any:
+        if file not in self._handles:
+            path = self.folder / file
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} (listed in {INDEX}) does not exist")
+            self._handles[file] = safe_open(str(path), framework="pt")
+            self.report.files_opened.append(file)
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        h = self._open(self.where[name])
+        self.report.tensors_read.append(name)
+        return h.get_slice(name)[rows] if rows is not None else h.get_tensor(name)
+
+
+def hf_name(name: str) -> str:
+    """The transformers name of a non-expert ``HFDecoder`` parameter."""
+    if name == "wte.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "lm_head.weight":
+        return name
+    if not name.startswith("blocks."):
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    layer, sub = name[len("blocks."):].split(".", 1)
+    return f"model.layers.{layer}.{sub.replace('mlp.gate.router.', 'mlp.gate.')}"
+
+
+def _moe_prefix(src: SafetensorsFolder, layer: int) -> str:
+    """``model.layers.i.mlp`` or Mixtral 4.x's ``model.layers.i.block_sparse_moe``."""
+    for p in (f"model.layers.{layer}.mlp", f"model.layers.{layer}.block_sparse_moe"):
+        if f"{p}.gate.weight" in src:
+            return p
+    raise KeyError(f"checkpoint {src.folder} has no router tensor "
+                   f"model.layers.{layer}.mlp.gate.weight (layer {layer} is an MoE layer)")
+
+
+def _copy(dst: torch.Tensor, src_t: torch.Tensor, name: str) -> None:
+    if tuple(src_t.shape) != tuple(dst.shape):
+        raise ValueError(f"tensor {name}: checkpoint shape {tuple(src_t.shape)}, "
+                         f"model expects {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src_t)
+
+
+def _load_experts(model: Any, src: SafetensorsFolder, layer: int) -> None:
+    experts = model.blocks[layer].mlp.experts
+    lo, hi = experts.first_expert, experts.first_expert + experts.num_local
+    p = _moe_prefix(src, layer)
+    if f"{p}.experts.gate_up_proj" in src:  # 5.x fused: slice this rank's experts
+        for n in ("gate_up_proj", "down_proj"):
+            full = f"{p}.experts.{n}"
+            if full not in src:
+                raise KeyError(f"checkpoint {src.folder} has no tensor {full}")
+            _copy(getattr(experts, n), src.read(full, slice(lo, hi)), f"{full}[{lo}:{hi}]")
+        return
+    g_n, u_n, d_n = _PER_EXPERT.get(model.config.model_type, _DEFAULT_PER_EXPERT)
+    f = experts.d_ffn
+    for e in range(lo, hi):
+        names = [f"{p}.experts.{e}.{n}.weight" for n in (g_n, u_n, d_n)]
+        for n in names:
+            if n not in src:
+                raise KeyError(f"checkpoint {src.folder} has no tensor {n}")
+        gate_up = experts.gate_up_proj[e - lo]
+        _copy(gate_up[:f], src.read(names[0]), names[0])
+        _copy(gate_up[f:], src.read(names[1]), names[1])
+        _copy(experts.down_proj[e - lo], src.read(names[2]), names[2])
+
+
+def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
+    """Copy a safetensors checkpoint into ``model`` (an ``HFDecoder``); missing tensors and
+    shape mismatches raise naming the tensor. Returns what was read."""
+    src = SafetensorsFolder(Path(folder))
+    for name, p in model.named_parameters():  # a tied lm_head is listed once, as wte
+        if ".mlp.experts." in name:
+            continue
+        hn = hf_name(name)
+        if hn not in src and ".mlp." in hn:
+            hn = hn.replace(".mlp.", ".block_sparse_moe.")
+        if hn not in src:
+            raise KeyError(f"checkpoint {src.folder} has no tensor {hf_name(name)}")
+        _copy(p, src.read(hn), hn)
+    for layer in model.config.moe_layers:
+        _load_experts(model, src, layer)
+    return src.report
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def expert_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """This rank's experts in the per-expert (4.x) layout, by transformers name."""
+    cfg = model.config
+    mixtral = cfg.model_type == "mixtral"
+    g_n, u_n, d_n = _PER_EXPERT.get(cfg.model_type, _DEFAULT_PER_EXPERT)
+    out: dict[str, torch.Tensor] = {}
+    for layer in cfg.moe_layers:
+        ex = model.blocks[layer].mlp.experts
+        p = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+        f = ex.d_ffn
+        for j in range(ex.num_local):
+            e = ex.first_expert + j
+            out[f"{p}.{e}.{g_n}.weight"] = ex.gate_up_proj[j, :f].detach().contiguous()
+            out[f"{p}.{e}.{u_n}.weight"] = ex.gate_up_proj[j, f:].detach().contiguous()
+            out[f"{p}.{e}.{d_n}.weight"] = ex.down_proj[j].detach().contiguous()
+    return out
+
+
+def dense_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor by transformers name (a tied lm_head is not written)."""
+    mixtral = model.config.model_type == "mixtral"
+    out = {}
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            continue
+        hn = hf_name(name)
+        if mixtral and ".mlp.gate." in hn:
+            hn = hn.replace(".mlp.", ".block_sparse_moe.")
+        out[hn] = p.detach().contiguous().clone()
+    return out
+
+
+def write_shards(model: Any, folder: Path, ep_rank: int, write_dense: bool) -> None:
+    """This rank's part of a sharded checkpoint: its expert shard (when it holds experts
+    no lower data-parallel rank also holds) and, on rank 0, the dense shard and the index."""
+    cfg = model.config
+    ep = cfg.ep_size if cfg.is_moe else 1
+    n = 1 + (ep if cfg.is_moe else 0)
+    meta = {"format": "pt"}
+    if cfg.is_moe:
+        save_file(expert_tensors(model), str(folder / _shard_name(2 + ep_rank, n)), metadata=meta)
+    if not write_dense:
+        return
+    dense = dense_tensors(model)
+    save_file(dense, str(folder / _shard_name(1, n)), metadata=meta)
+    weight_map = dict.fromkeys(dense, _shard_name(1, n))
+    for r in range(ep):
+        for name in _expert_names(model, r):
+            weight_map[name] = _shard_name(2 + r, n)
+    total = sum(t.numel() * t.element_size() for t in dense.values())
+    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if getattr(p, "moebit_expert", False)) * ep
+    index = {"metadata": {"total_size": total + expert_bytes}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _expert_names(model: Any, ep_rank: int) -> list[str]:
+    cfg = model.config
+    g_n, u_n, d_n = _PER_EXPERT.get(cfg.model_type, _DEFAULT_PER_EXPERT)
+    mod = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+    per = cfg.num_experts // cfg.ep_size
+    return [f"model.layers.{layer}.{mod}.experts.{e}.{n}.weight"
+            for layer in cfg.moe_layers for e in range(ep_rank * per, (ep_rank + 1) * per)
+            for n in (g_n, u_n, d_n)]
