@@ -9,6 +9,7 @@
     moebit eval runs/a runs/b                           # val loss on the whole split
     moebit distill --teacher runs/a --student-layers 3  # Mixture-of-Students
     moebit upcycle runs/a --num-experts 8 --run-dir runs/a-moe   # dense -> MoE
+    moebit serve runs/a --port 8000                     # OpenAI-compatible HTTP server
     moebit demo                                         # the guided tour
 
 Ranks are launched by torch.distributed.run (torchrun); this process only validates the
@@ -28,7 +29,8 @@ from moebit.config import ConfigError
 # Command name -> module under moebit.cli with main(argv). Imported on use, so that
 # `moebit report` or `moebit --help` does not pay for torch.distributed and the models.
 COMMANDS = {"train": "train", "report": "report", "bench": "bench", "demo": "demo",
-            "generate": "generate", "eval": "eval", "distill": "distill", "upcycle": "upcycle"}
+            "generate": "generate", "eval": "eval", "distill": "distill", "upcycle": "upcycle",
+            "serve": "serve"}
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 

@@ -89,6 +89,7 @@ class Engine:
         self.cv = threading.Condition()
         self.stopping = False  # drain: finish what is in, take nothing new
         self.failed: str | None = None
+        self.on_failure: Callable[[], None] | None = None  # e.g. stop the HTTP server
         self.steps = 0
 
     # ------------------------------------------------------------------ other threads
@@ -149,6 +150,8 @@ class Engine:
         for r in reqs:
             r.emit(Event("", "error", why))
             self.metrics.finished("error")
+        if self.on_failure is not None:
+            self.on_failure()
 
     def step(self) -> None:
         self._admit()
