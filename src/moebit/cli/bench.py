@@ -6,7 +6,7 @@ import importlib
 
 from moebit.cli.args import UsageError
 
-BENCHMARKS = ("comm", "moe", "train", "inference", "freeze")
+BENCHMARKS = ("comm", "moe", "train", "inference", "freeze", "serve")
 
 
 def main(argv: list[str]) -> int:
