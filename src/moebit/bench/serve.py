@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", help="a run folder (default: a random MoE model)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests", type=int, default=64, help="requests per measurement (bounded)")
+    ap.add_argument("--requests", type=int, default=64,
+                    help="requests per measurement, at least 8 per client (bounded: 2000)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--json", help="write the figures here")
@@ -195,7 +196,7 @@ def _measure(args: argparse.Namespace, url: str, model: GPT) -> dict[str, Any]:
     asyncio.run(_load(url, workload(8, seed=99), 4))  # warm-up
     for rep in range(args.reps):
         for c in args.clients:
-            jobs = workload(max(args.requests, c), seed=rep)
+            jobs = workload(min(2000, max(args.requests, 8 * c)), seed=rep)
             reps[c]["serve"].append(asyncio.run(_load(url, jobs, c)))
             reps[c]["static"].append(static(model, jobs, c))
     summary = {}

@@ -195,11 +195,20 @@ class Engine:
         return plan
 
     def _decode(self, reqs: list[Request]) -> None:
+        """One token for each of ``reqs``, in one forward over slots 0 .. the highest one
+        decoding: contiguous slots let the cache hand attention a view of its buffers,
+        not a gathered copy. The other slots in that range ride along with no real
+        token (nothing advances, no feed-forward; their scribble is overwritten later)."""
         dev = self.model.wte.weight.device
-        ids_R1 = torch.tensor([[r.out[-1]] for r in reqs], device=dev)
-        self.cache.bind([r.slot for r in reqs])
-        logits_RV = self.model(ids_R1, cache=self.cache, logits_to_keep=1).logits[:, -1]
-        self._sample_all(reqs, logits_RV.float().cpu())
+        hi = max(r.slot for r in reqs) + 1
+        last, real = [0] * hi, [0] * hi
+        for r in reqs:
+            last[r.slot], real[r.slot] = r.out[-1], 1
+        self.cache.bind(range(hi), real)
+        logits_SV = self.model(torch.tensor(last, device=dev)[:, None], cache=self.cache,
+                               logits_to_keep=1).logits[:, -1]
+        rows = torch.tensor([r.slot for r in reqs], device=dev)
+        self._sample_all(reqs, logits_SV.index_select(0, rows).float().cpu())
 
     def _prefill(self, plan: list[tuple[Request, int]]) -> None:
         dev = self.model.wte.weight.device
