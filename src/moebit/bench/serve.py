@@ -6,7 +6,8 @@
 A load generator of its own (asyncio + httpx, streamed replies, a bounded number of
 requests, only to 127.0.0.1) drives a real ``moebit serve`` subprocess at 1, 8 and 32
 concurrent clients with mixed prompt and output lengths, and measures output tokens/s,
-time to first token and inter-token latency (p50/p99), lost requests and 5xx replies.
+time to first token and inter-token latency (p50/p99), lost requests and 5xx replies;
+``--no-stream``: whole replies, throughput only (no per-token events to send and parse).
 
 The baseline is static batching, ``moebit generate --batch C``: the same prompts through
 ``generate_tokens`` in batches of C (one max-new-tokens per batch, as the CLI takes one;
@@ -76,6 +77,23 @@ def workload(n: int, seed: int = 0) -> list[tuple[str, int]]:
     return out
 
 
+async def _whole_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict) -> None:
+    """Whole replies (``stream: false``): throughput only, no per-token timings."""
+    while not jobs.empty():
+        prompt, n = jobs.get_nowait()
+        try:
+            r = await http.post(url + "/v1/completions", json={
+                "prompt": prompt, "max_tokens": n, "temperature": 0})
+        except httpx.HTTPError:
+            rec["lost"] += 1
+            continue
+        if r.status_code >= 500:
+            rec["5xx"] += 1
+        elif r.status_code == 200:
+            rec["done"] += 1
+            rec["tokens"] += r.json()["usage"]["completion_tokens"]
+
+
 async def _client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict) -> None:
     while not jobs.empty():
         prompt, n = jobs.get_nowait()
@@ -104,14 +122,16 @@ async def _client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: d
             rec["itl"] += [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
-async def _load(url: str, jobs: list[tuple[str, int]], clients: int) -> dict[str, Any]:
+async def _load(url: str, jobs: list[tuple[str, int]], clients: int,
+                stream: bool = True) -> dict[str, Any]:
     q: asyncio.Queue = asyncio.Queue()
     for j in jobs:
         q.put_nowait(j)
     rec: dict[str, Any] = {"done": 0, "lost": 0, "5xx": 0, "tokens": 0, "ttft": [], "itl": []}
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients)) as http:
-        await asyncio.gather(*(_client(http, url, q, rec) for _ in range(clients)))
+        one = _client if stream else _whole_client
+        await asyncio.gather(*(one(http, url, q, rec) for _ in range(clients)))
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens_per_s": rec["tokens"] / wall, "requests": len(jobs),
             "completed": rec["done"], "lost": rec["lost"], "5xx": rec["5xx"],
@@ -169,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests per measurement, at least 8 per client (bounded: 2000)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                    help="streamed replies (TTFT and inter-token latency), or whole ones")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= 2000 or min(args.clients) < 1:
@@ -197,7 +219,7 @@ def _measure(args: argparse.Namespace, url: str, model: GPT) -> dict[str, Any]:
     for rep in range(args.reps):
         for c in args.clients:
             jobs = workload(min(2000, max(args.requests, 8 * c)), seed=rep)
-            reps[c]["serve"].append(asyncio.run(_load(url, jobs, c)))
+            reps[c]["serve"].append(asyncio.run(_load(url, jobs, c, args.stream)))
             reps[c]["static"].append(static(model, jobs, c))
     summary = {}
     for c, r in reps.items():
@@ -208,4 +230,5 @@ def _measure(args: argparse.Namespace, url: str, model: GPT) -> dict[str, Any]:
                            "ratio": round(med["serve"] / med["static"], 2),
                            "lost": sum(x["lost"] for x in r["serve"]),
                            "5xx": sum(x["5xx"] for x in r["serve"])}
-    return {"clients": summary, "reps": args.reps, "requests": args.requests}
+    return {"clients": summary, "reps": args.reps, "requests": args.requests,
+            "stream": args.stream}
