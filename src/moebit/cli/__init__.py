@@ -12,6 +12,7 @@
     moebit plan --model bert-large --cluster tang2021-ethernet   # predict a cluster we lack
     moebit train --init-from hf/mixtral --ep-size 2 --nproc 2   # fine-tune a HF model
     moebit export runs/ft --to hf/mixtral-ft            # back to a Hugging Face folder
+    moebit serve runs/a --port 8000                     # OpenAI-compatible HTTP server
     moebit demo                                         # the guided tour
 
 Ranks are launched by torch.distributed.run (torchrun); this process only validates the
@@ -32,7 +33,7 @@ from moebit.config import ConfigError
 # `moebit report` or `moebit --help` does not pay for torch.distributed and the models.
 COMMANDS = {"train": "train", "report": "report", "bench": "bench", "demo": "demo",
             "generate": "generate", "eval": "eval", "distill": "distill", "upcycle": "upcycle",
-            "plan": "plan", "export": "export"}
+            "plan": "plan", "export": "export", "serve": "serve"}
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 

@@ -1,0 +1,117 @@
+"""``moebit serve``: an OpenAI-compatible HTTP server with continuous batching.
+
+    moebit serve runs/a --port 8000                                  # one process
+    moebit serve runs/a --port 8000 --nproc 2 --ep-size 2 --quantize int8
+    curl -s 127.0.0.1:8000/v1/completions -d '{"prompt": "def ", "max_tokens": 32}'
+
+With ``--nproc N`` the ranks are launched through torch.distributed.run; rank 0 serves
+HTTP and holds every request, all ranks step in lockstep and hold E/ep experts each.
+See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from moebit.checkpoint import CheckpointError, read_manifest
+from moebit.cli.launch import run_ranks
+from moebit.comm.collectives import init_from_env
+from moebit.loading import load_model, model_config_of, resolve_checkpoint
+from moebit.quantize import quantize_experts_
+from moebit.serve.server import follow, serve_main
+from moebit.serve.tokenizer import ByteTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ARGS_ENV = "MOEBIT_SERVE_ARGS"
+COLLECTIVE_TIMEOUT_S = 60.0  # a dead rank becomes an error (then 503s and exit 1) this fast
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moebit serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+                    help="a run folder (its newest checkpoint) or RUN/checkpoints/step-N")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model-name", help="the model's id in the API (default: the path given)")
+    ap.add_argument("--max-batch", type=int, default=32, help="KV-cache slots: requests decoded together")
+    ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; more get 429")
+    ap.add_argument("--prefill-chunk", type=int, default=128,
+                    help="prompt tokens prefilled per step, over all requests")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
+    ap.add_argument("--ep-size", type=int, default=0, help="expert-parallel ranks (default --nproc)")
+    ap.add_argument("--quantize", choices=("none", "int8"), default="none")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
+    ap.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def check(args: argparse.Namespace) -> int:
+    """Validate flags and the checkpoint before any rank starts; the ep size to use."""
+    for name in ("max_batch", "max_queue", "prefill_chunk", "nproc"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} must lie in 1..65535")
+    d = resolve_checkpoint(args.checkpoint)
+    cfg = model_config_of(read_manifest(d), d)
+    counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
+    if args.quantize == "int8" and not counts:
+        raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
+    ep = args.ep_size or args.nproc
+    if ep != args.nproc:
+        raise ValueError(f"--ep-size {ep} must equal --nproc {args.nproc}: rank 0 holds every "
+                         "request and the other ranks serve their experts")
+    if ep > 1 and (not counts or any(e % ep for e in counts)):
+        raise ValueError(f"--ep-size {ep} must divide every MoE layer's expert count {counts}")
+    return ep
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    info = init_from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
+    try:
+        model = load_model(args.checkpoint, ep_size=args.ep_size or 1, rank=info.rank)
+        if args.quantize == "int8":
+            quantize_experts_(model)
+        if DTYPES[args.dtype] != torch.float32:
+            model.to(DTYPES[args.dtype])
+        if info.rank != 0:
+            return follow(model)
+        return serve_main(model, ByteTokenizer(), args.model_name or args.checkpoint, args.host,
+                          args.port, args.max_batch, args.max_queue, args.prefill_chunk,
+                          lockstep=info.world_size > 1, log_level=args.log_level)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--worker"]:  # a rank started below through torchrun
+        code = run_rank(argparse.Namespace(**json.loads(os.environ[ARGS_ENV])))
+        sys.exit(code)
+    args = parser().parse_args(argv)
+    try:
+        args.ep_size = check(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"moebit serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.nproc == 1:
+        return run_rank(args)
+    # settings travel as JSON in the environment: torchrun's parser would take --nproc
+    os.environ[ARGS_ENV] = json.dumps({**vars(args), "worker": True})
+    run_ranks({"nproc": args.nproc}, "moebit.cli.serve", ["--worker"], "serving")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

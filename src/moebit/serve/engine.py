@@ -1,0 +1,274 @@
+"""The continuous-batching engine: a fixed set of KV-cache slots, one forward per phase.
+
+    engine = Engine(model, ByteTokenizer(), max_batch=8, max_queue=64)
+    threading.Thread(target=engine.run, daemon=True).start()
+    engine.submit(Request("r1", ids, SamplingParams(max_tokens=32), on_event))
+
+Each step (one loop of ``run``):
+  1. waiting requests take free slots (``max_batch`` of them), cancelled ones leave;
+  2. one decode forward of every slot whose prompt is in the cache (one token each);
+  3. one prefill forward of the next prompt chunks, at most ``prefill_chunk`` tokens in
+     all, so a long prompt enters over several steps while the others keep decoding.
+A request leaves its slot when it ends (a stop string, ``max_tokens``, the context's
+end, a cancel); the slot serves the next waiting request at the next step.
+
+Expert parallel (``lockstep``): rank 0 holds every request and runs these forwards; the
+other ranks hold no requests and run, each step, the same number of forwards on empty
+batches, which still serve their experts in every MoE layer's all-to-all. ``lockstep(n)``
+tells them n (0 when idle: a heartbeat; -1: stop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moebit.generate import dropless
+from moebit.models.gpt import GPT
+from moebit.serve.metrics import Metrics
+from moebit.serve.sampling import SamplingParams, find_stop, sample
+from moebit.serve.slot_cache import SlotKVCache
+from moebit.serve.tokenizer import Tokenizer
+
+
+class QueueFull(Exception):
+    """The bounded queue holds ``max_queue`` requests: the caller should retry later."""
+
+
+class EngineStopped(Exception):
+    """The engine is draining or has failed: no new requests."""
+
+
+@dataclass
+class Event:
+    text: str  # new text since the last event
+    finish_reason: str | None = None  # stop, length, cancelled, error; None: more to come
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]  # called on the engine thread; must be thread-safe
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set from any thread; the engine frees the slot next step
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens in the cache
+    out: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the text already emitted
+    last_t: float = 0.0
+    gen: torch.Generator | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.out)
+
+
+class Engine:
+    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 8,
+                 max_queue: int = 64, prefill_chunk: int = 64,
+                 lockstep: Callable[[int], None] | None = None,
+                 metrics: Metrics | None = None) -> None:
+        if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch, max_queue and prefill_chunk must be >= 1")
+        self.model, self.tok = model.eval(), tokenizer
+        self.block_size = model.config.block_size
+        self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.lockstep = lockstep
+        self.metrics = metrics or Metrics()
+        self.cache = SlotKVCache.for_model(model, max_batch, scratch=prefill_chunk)
+        self.slots: list[Request | None] = [None] * max_batch
+        self.waiting: deque[Request] = deque()
+        self.cv = threading.Condition()
+        self.stopping = False  # drain: finish what is in, take nothing new
+        self.failed: str | None = None
+        self.on_failure: Callable[[], None] | None = None  # e.g. stop the HTTP server
+        self.steps = 0
+
+    # ------------------------------------------------------------------ other threads
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; QueueFull / EngineStopped / ValueError (prompt too long)."""
+        if len(req.prompt) >= self.block_size:
+            raise ValueError(f"prompt has {len(req.prompt)} tokens; the context holds "
+                             f"{self.block_size}, so at most {self.block_size - 1}")
+        with self.cv:
+            if self.failed is not None or self.stopping:
+                raise EngineStopped(self.failed or "the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the queue holds {self.max_queue} requests")
+            req.gen = req.params.generator()
+            self.waiting.append(req)
+            self.metrics.queue_depth = len(self.waiting)
+            self.cv.notify()
+
+    def stop(self) -> None:
+        """Drain: requests in flight finish, then ``run`` returns."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def run(self) -> None:
+        """Step until stopped and drained; on a failure (a dead rank) fail every request."""
+        try:
+            with torch.no_grad(), dropless(self.model):
+                while self._wait_for_work():
+                    self.step()
+            if self.lockstep is not None:
+                self.lockstep(-1)
+        except Exception as e:  # noqa: BLE001 - any failure ends every request with it
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def _wait_for_work(self) -> bool:
+        with self.cv:
+            while not self.busy():
+                if self.stopping:
+                    return False
+                self.cv.wait(timeout=1.0)
+                if not self.busy() and self.lockstep is not None:
+                    self.lockstep(0)  # heartbeat: the other ranks' collectives never time out
+        return True
+
+    def _fail(self, why: str) -> None:
+        with self.cv:
+            self.failed = why
+            reqs = [r for r in self.slots if r is not None] + list(self.waiting)
+            self.waiting.clear()
+            self.slots = [None] * len(self.slots)
+        for r in reqs:
+            r.emit(Event("", "error", why))
+            self.metrics.finished("error")
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def step(self) -> None:
+        self._admit()
+        decode = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
+        prefill = self._prefill_plan()
+        if self.lockstep is not None:
+            self.lockstep(int(bool(decode)) + int(bool(prefill)))
+        self.steps += 1
+        if decode:
+            self._decode(decode)
+        if prefill:
+            self._prefill(prefill)
+
+    def _admit(self) -> None:
+        with self.cv:
+            for r in list(self.slots):
+                if r is not None and r.cancelled:
+                    self._leave(r, "cancelled")
+            for r in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(r)
+                self.metrics.finished("cancelled")
+            for i in range(len(self.slots)):
+                if self.slots[i] is None and self.waiting:
+                    r = self.waiting.popleft()
+                    r.slot = i
+                    self.slots[i] = r
+                    self.cache.reset(i)
+            self.metrics.queue_depth = len(self.waiting)
+            self.metrics.running = sum(s is not None for s in self.slots)
+
+    def _prefill_plan(self) -> list[tuple[Request, int]]:
+        """(request, tokens of its prompt to prefill now), oldest first, within the budget."""
+        plan, budget = [], self.prefill_chunk
+        for r in sorted((r for r in self.slots if r is not None and r.prefilled < len(r.prompt)),
+                        key=lambda r: r.arrival):
+            n = min(len(r.prompt) - r.prefilled, budget)
+            if n <= 0:
+                break
+            plan.append((r, n))
+            budget -= n
+        return plan
+
+    def _decode(self, reqs: list[Request]) -> None:
+        """One token for each of ``reqs``, in one forward over slots 0 .. the highest one
+        decoding: contiguous slots let the cache hand attention a view of its buffers,
+        not a gathered copy. The other slots in that range ride along with no real
+        token (nothing advances, no feed-forward; their scribble is overwritten later)."""
+        dev = self.model.wte.weight.device
+        hi = max(r.slot for r in reqs) + 1
+        last, real = [0] * hi, [0] * hi
+        for r in reqs:
+            last[r.slot], real[r.slot] = r.out[-1], 1
+        self.cache.bind(range(hi), real)
+        logits_SV = self.model(torch.tensor(last, device=dev)[:, None], cache=self.cache,
+                               logits_to_keep=1).logits[:, -1]
+        rows = torch.tensor([r.slot for r in reqs], device=dev)
+        self._sample_all(reqs, logits_SV.index_select(0, rows).float().cpu())
+
+    def _prefill(self, plan: list[tuple[Request, int]]) -> None:
+        dev = self.model.wte.weight.device
+        t = max(n for _, n in plan)
+        ids_RT = torch.zeros(len(plan), t, dtype=torch.long)
+        for i, (r, n) in enumerate(plan):
+            ids_RT[i, :n] = torch.tensor(r.prompt[r.prefilled:r.prefilled + n])
+        self.cache.bind([r.slot for r, _ in plan], [n for _, n in plan])
+        logits_RTV = self.model(ids_RT.to(dev), cache=self.cache).logits
+        done = []
+        for i, (r, n) in enumerate(plan):
+            r.prefilled += n
+            if r.prefilled == len(r.prompt):
+                done.append((r, logits_RTV[i, n - 1]))
+        self.metrics.prompt_tokens += sum(n for _, n in plan)
+        if done:
+            self._sample_all([r for r, _ in done],
+                             torch.stack([lg for _, lg in done]).float().cpu())
+
+    def _sample_all(self, reqs: list[Request], logits_RV: torch.Tensor) -> None:
+        now = time.monotonic()
+        for r, logits_V in zip(reqs, logits_RV, strict=True):
+            if r.cancelled:
+                continue
+            assert r.gen is not None
+            r.out.append(sample(logits_V, r.params, r.gen))
+            if len(r.out) == 1:
+                self.metrics.ttft.observe(now - r.arrival)
+            else:
+                self.metrics.itl.observe(now - r.last_t)
+            r.last_t = now
+            self._emit(r)
+        self.metrics.tokens_out(len(reqs))
+
+    def _emit(self, r: Request) -> None:
+        """Send the request's new text; end it on a stop string, max_tokens or the context."""
+        text = self.tok.decode(r.out)
+        at, hold = find_stop(text, r.params.stop)
+        reason = None
+        if at is not None:
+            text, reason = text[:at], "stop"
+        elif len(r.out) >= r.params.max_tokens or len(r.prompt) + len(r.out) >= self.block_size:
+            reason = "length"
+        if reason is None:
+            end = len(text) - hold
+            while end > r.sent and text[end - 1] == "\ufffd":  # maybe a multi-byte char's start
+                end -= 1
+            if end > r.sent:
+                r.emit(Event(text[r.sent:end]))
+                r.sent = end
+            return
+        r.emit(Event(text[r.sent:], reason))
+        r.sent = len(text)
+        with self.cv:
+            self._leave(r, reason)
+
+    def _leave(self, r: Request, reason: str) -> None:
+        """Free the request's slot (the caller holds ``cv``)."""
+        if r.slot >= 0 and self.slots[r.slot] is r:
+            self.slots[r.slot] = None
+            self.cache.reset(r.slot)
+            self.metrics.finished(reason)
+        self.cv.notify()

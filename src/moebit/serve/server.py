@@ -1,0 +1,91 @@
+"""Running the server: rank 0's HTTP server and engine thread, the other ranks' lockstep.
+
+    code = serve_main(model, ByteTokenizer(), "runs/a", host="127.0.0.1", port=8000)
+
+Rank 0: uvicorn serves the app on the main thread (it owns SIGTERM/SIGINT: stop
+accepting, finish the responses in flight), the engine steps on a thread; once uvicorn
+has drained, the engine stops and the other ranks are told to stop. Exit code 0, or 1
+when the engine failed (a dead rank: its collectives raise after the group's timeout or
+at once on a closed connection, every request gets a 503, and the server stops).
+
+Other ranks (expert parallel): ``follow`` receives each step's number of forwards from
+rank 0 and runs that many forwards of an empty batch, serving their experts.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+import uvicorn
+
+from moebit.generate import dropless
+from moebit.models.gpt import GPT
+from moebit.serve.api import create_app
+from moebit.serve.engine import Engine
+from moebit.serve.metrics import Metrics
+from moebit.serve.tokenizer import Tokenizer
+
+
+def broadcast_step(n: int) -> None:
+    """Rank 0: tell every rank how many forwards this step runs (0 idle, -1 stop)."""
+    dist.broadcast(torch.tensor([n], dtype=torch.long), src=0)
+
+
+def _idle_forward(model: GPT) -> None:
+    """A forward of a zero-row batch: its MoE layers still join the all-to-all (as in
+    ``moebit.generate``), so this rank serves its experts to rank 0's tokens."""
+    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=model.wte.weight.device)
+    model(empty_01, cache=model.new_cache(0, 1), logits_to_keep=1)
+
+
+def follow(model: GPT) -> int:
+    """A rank other than 0: step in lockstep with rank 0 until it says stop."""
+    # rank 0 drains on SIGTERM and then tells this rank to stop; dying first would fail it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    n_1 = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad(), dropless(model):
+        while True:
+            dist.broadcast(n_1, src=0)
+            n = int(n_1.item())
+            if n < 0:
+                return 0
+            for _ in range(n):
+                _idle_forward(model)
+
+
+def serve_main(model: GPT, tokenizer: Tokenizer, name: str, host: str, port: int,
+               max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 64,
+               lockstep: bool = False, log_level: str = "warning") -> int:
+    """Rank 0 (or the only process): serve until SIGTERM/SIGINT; the exit code."""
+    metrics = Metrics()
+    metrics.watch_experts(model)
+    engine = Engine(model, tokenizer, max_batch, max_queue, prefill_chunk,
+                    broadcast_step if lockstep else None, metrics)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, name), host=host,
+                                           port=port, log_level=log_level))
+
+    def failed() -> None:
+        print(f"moebit serve: error: the engine failed ({engine.failed}); stopping",
+              file=sys.stderr)
+        server.should_exit = True
+
+    engine.on_failure = failed
+    thread = threading.Thread(target=engine.run, name="moebit-engine", daemon=True)
+    thread.start()
+    print(f"moebit serve: {name} on http://{host}:{port} (max batch {max_batch}, "
+          f"queue {max_queue})", file=sys.stderr, flush=True)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found:
+    # make that a no-op, so a drained server exits 0 rather than dying by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    engine.stop()
+    thread.join(timeout=60)
+    if thread.is_alive():
+        print("moebit serve: error: the engine did not stop", file=sys.stderr)
+        return 1
+    return 0 if engine.failed is None else 1

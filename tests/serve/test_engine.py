@@ -1,0 +1,110 @@
+"""The continuous-batching engine without HTTP: same tokens as moebit generate, seeded
+requests independent of their batch, chunked prefill, slots freed and reused."""
+
+from __future__ import annotations
+
+import torch
+from serve_helpers import MOE, request, run_engine, tiny_model
+
+from moebit.generate import generate_tokens
+from moebit.serve.engine import Engine
+from moebit.serve.slot_cache import SlotKVCache
+from moebit.serve.tokenizer import ByteTokenizer
+
+PROMPTS = [b"def foo(", b"x", b"import os\nimport sys\n" * 2, b"class A:\n    "]
+
+
+def test_slot_cache_matches_full_forward() -> None:
+    """Prefill in uneven chunks of two slots in one forward, then decode: the logits equal
+    the model's plain causal forward over the whole sequence."""
+    torch.set_num_threads(1)
+    model = tiny_model()
+    seqs = [list(b"hello world, again"), list(b"abc")]
+    cache = SlotKVCache.for_model(model, slots=3, scratch=8)
+    got: list[list[torch.Tensor]] = [[], []]
+    pos = [0, 0]
+    slots = [2, 0]
+    with torch.no_grad():
+        while any(p < len(s) for p, s in zip(pos, seqs, strict=True)):
+            plan = [(i, min(7, len(seqs[i]) - pos[i])) for i in range(2) if pos[i] < len(seqs[i])]
+            t = max(n for _, n in plan)
+            ids = torch.zeros(len(plan), t, dtype=torch.long)
+            for j, (i, n) in enumerate(plan):
+                ids[j, :n] = torch.tensor(seqs[i][pos[i]:pos[i] + n])
+            cache.bind([slots[i] for i, _ in plan], [n for _, n in plan])
+            logits = model(ids, cache=cache).logits
+            for j, (i, n) in enumerate(plan):
+                got[i] += list(logits[j, :n])
+                pos[i] += n
+        for i, s in enumerate(seqs):
+            ref = model(torch.tensor([s])).logits[0]
+            torch.testing.assert_close(torch.stack(got[i]), ref, atol=1e-5, rtol=1e-4)
+
+
+def _engine_tokens(model, prompts, max_batch, chunk, **params) -> list[str]:
+    eng = Engine(model, ByteTokenizer(), max_batch=max_batch, max_queue=64, prefill_chunk=chunk)
+    pairs = [request(str(i), p, **params) for i, p in enumerate(prompts)]
+    run_engine(eng, [r for r, _ in pairs])
+    assert all(c.done.is_set() for _, c in pairs)
+    return [c.text for _, c in pairs]
+
+
+def test_greedy_equals_generate_tokens_dense_and_moe() -> None:
+    torch.set_num_threads(1)
+    for over in ({}, {k: v for k, v in MOE.items() if k in ("num_experts", "moe_every")}):
+        model = tiny_model(**over)
+        ref = generate_tokens(model, [list(p) for p in PROMPTS], max_new_tokens=12,
+                              temperature=0, batch_size=4).tokens
+        want = [bytes(t).decode("utf-8", errors="replace") for t in ref]
+        for max_batch, chunk in ((4, 64), (2, 5), (1, 3)):
+            assert _engine_tokens(model, PROMPTS, max_batch, chunk, max_tokens=12,
+                                  temperature=0) == want, (over, max_batch, chunk)
+
+
+def test_seeded_request_same_text_whatever_the_batch() -> None:
+    torch.set_num_threads(1)
+    model = tiny_model()
+    params = {"max_tokens": 20, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234}
+    alone = _engine_tokens(model, [b"seeded"], 1, 64, **params)[0]
+    eng = Engine(model, ByteTokenizer(), max_batch=4, max_queue=64, prefill_chunk=4)
+    others = [request(f"o{i}", b"noise " * (i + 1), max_tokens=5 + 3 * i, temperature=1.3,
+                      seed=i) for i in range(6)]
+    target, got = request("t", b"seeded", **params)
+    for r, _ in others[:3]:
+        eng.submit(r)
+    eng.step()
+    eng.step()  # the target joins a batch already decoding
+    run_engine(eng, [target] + [r for r, _ in others[3:]])
+    assert got.text == alone
+    assert len(alone) > 0
+
+
+def test_stop_string_and_length_and_context_end() -> None:
+    torch.set_num_threads(1)
+    model = tiny_model()
+    full = _engine_tokens(model, [b"ab"], 1, 64, max_tokens=30, temperature=0)[0]
+    stop = full[5:7]
+    eng = Engine(model, ByteTokenizer(), max_batch=2, max_queue=4)
+    r1, c1 = request("a", b"ab", max_tokens=30, temperature=0, stop=[stop])
+    r2, c2 = request("b", b"z" * 60, max_tokens=30, temperature=0)  # 4 tokens to the context end
+    run_engine(eng, [r1, r2])
+    assert c1.text == full[:full.index(stop)] and c1.events[-1].finish_reason == "stop"
+    assert len(r2.out) == 4 and c2.events[-1].finish_reason == "length"
+    assert eng.slots == [None, None]
+
+
+def test_cancel_frees_the_slot_for_the_next_request() -> None:
+    torch.set_num_threads(1)
+    eng = Engine(tiny_model(), ByteTokenizer(), max_batch=1, max_queue=4)
+    r1, c1 = request("a", b"ab", max_tokens=50, temperature=0)
+    r2, c2 = request("b", b"cd", max_tokens=3, temperature=0)
+    eng.submit(r1)
+    eng.submit(r2)
+    for _ in range(3):
+        eng.step()
+    assert eng.slots[0] is r1 and list(eng.waiting) == [r2]
+    r1.cancelled = True
+    while eng.busy():
+        eng.step()
+    assert c2.done.is_set() and not c1.done.is_set()
+    assert eng.metrics.requests == {"cancelled": 1, "length": 1}
