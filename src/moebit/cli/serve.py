@@ -22,10 +22,13 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
+from moebit.hf import from_pretrained, is_hf_folder, read_config
 from moebit.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.quantize import quantize_experts_
 from moebit.serve.server import follow, serve_main
-from moebit.serve.tokenizer import ByteTokenizer
+from moebit.serve.tokenizer import ByteTokenizer, HFTokenizer
+
+HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ARGS_ENV = "MOEBIT_SERVE_ARGS"
@@ -35,7 +38,7 @@ COLLECTIVE_TIMEOUT_S = 60.0  # a dead rank becomes an error (then 503s and exit 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moebit serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+    ap.add_argument("checkpoint", metavar="RUN|CHECKPOINT|HF_DIR",
                     help="a run folder (its newest checkpoint) or RUN/checkpoints/step-N")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -48,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ep-size", type=int, default=0, help="expert-parallel ranks (default --nproc)")
     ap.add_argument("--quantize", choices=("none", "int8"), default="none")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    ap.add_argument("--context", type=int, default=0,
+                    help="tokens of context per request (KV-cache columns per slot); 0: the "
+                         f"model's block size, or {HF_CONTEXT} for a Hugging Face folder")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -61,9 +67,16 @@ def check(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
-    d = resolve_checkpoint(args.checkpoint)
-    cfg = model_config_of(read_manifest(d), d)
-    counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
+    if args.context < 0:
+        raise ValueError("--context must be >= 0 (0: the model's own)")
+    if is_hf_folder(args.checkpoint):
+        hf = read_config(args.checkpoint)
+        counts = [hf.num_experts] * len(hf.moe_layers) if hf.is_moe else []
+        d = args.checkpoint
+    else:
+        d = resolve_checkpoint(args.checkpoint)
+        cfg = model_config_of(read_manifest(d), d)
+        counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
     if args.quantize == "int8" and not counts:
         raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
     ep = args.ep_size or args.nproc
@@ -75,18 +88,31 @@ def check(args: argparse.Namespace) -> int:
     return ep
 
 
+def load_for_serving(args: argparse.Namespace, rank: int) -> tuple[torch.nn.Module, object]:
+    """The model (a moebit run or a Hugging Face folder) and the tokenizer it reads and writes."""
+    if not is_hf_folder(args.checkpoint):
+        model = load_model(args.checkpoint, ep_size=args.ep_size or 1, rank=rank)
+        if args.context:
+            model.config.block_size = min(args.context, model.config.block_size)
+        return model, ByteTokenizer()
+    model = from_pretrained(args.checkpoint, ep_size=args.ep_size or 1, rank=rank)
+    limit = model.config.max_position_embeddings
+    model.config.block_size = min(args.context or HF_CONTEXT, limit)
+    return model, HFTokenizer.from_folder(args.checkpoint)
+
+
 def run_rank(args: argparse.Namespace) -> int:
     info = init_from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
     try:
-        model = load_model(args.checkpoint, ep_size=args.ep_size or 1, rank=info.rank)
+        model, tokenizer = load_for_serving(args, info.rank)
         if args.quantize == "int8":
             quantize_experts_(model)
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         if info.rank != 0:
             return follow(model)
-        return serve_main(model, ByteTokenizer(), args.model_name or args.checkpoint, args.host,
+        return serve_main(model, tokenizer, args.model_name or args.checkpoint, args.host,
                           args.port, args.max_batch, args.max_queue, args.prefill_chunk,
                           lockstep=info.world_size > 1, log_level=args.log_level)
     finally:

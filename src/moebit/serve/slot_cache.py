@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moebit.models.gpt import GPT
+from moebit.models.interface import CausalLM
 from moebit.models.kv_cache import KVCache
 
 
@@ -38,13 +38,13 @@ class SlotKVCache(KVCache):
         self.bind([])
 
     @classmethod
-    def for_model(cls, model: GPT, slots: int, scratch: int) -> SlotKVCache:
-        cfg, p = model.config, model.wte.weight
-        shape = (slots, cfg.n_head, cfg.block_size + scratch, cfg.d_model // cfg.n_head)
+    def for_model(cls, model: CausalLM, slots: int, scratch: int) -> SlotKVCache:
+        """Slots shaped by the model's own ``new_cache`` (heads, head size, dtype, device:
+        moebit's GPT and the Hugging Face decoders alike), ``block_size + scratch`` long."""
+        block = model.config.block_size
+        base = model.new_cache(slots, block + scratch)
         # zeros, not empty: a masked key still multiplies its value by weight 0 (NaN * 0 = NaN)
-        ks = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
-        vs = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
-        return cls(ks, vs, cfg.block_size)
+        return cls([k.zero_() for k in base.k], [v.zero_() for v in base.v], block)
 
     @property
     def slots(self) -> int:
