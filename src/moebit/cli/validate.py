@@ -19,7 +19,7 @@ from moebit.checkpoint.train_state import check_model_config
 from moebit.cli.args import UsageError
 from moebit.config import ConfigError, TrainConfig
 from moebit.data import Corpus, check_block_size, load_corpus
-from moebit.models.gpt import moe_config_for
+from moebit.models.gpt import GPTConfig, moe_config_for
 
 RANK_BASE_BYTES = 350 << 20  # a rank's own footprint: interpreter, torch, gloo buffers
 
@@ -44,6 +44,8 @@ def check_parallel(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"ep_size: {cfg.moe.ep_size} does not divide the world size {world} "
                           "(--nproc x --nnodes)")
     model = cfg.model_config()
+    if not isinstance(model, GPTConfig):
+        return  # a Hugging Face config: its MoE settings were checked when it was read
     for layer in model.moe_layers():
         try:
             moe_config_for(model, layer)
@@ -90,10 +92,14 @@ def check_run_dir(run_dir: Path) -> None:
 
 def estimate_rank_bytes(cfg: TrainConfig, world: int) -> int:
     """A rough upper bound of one rank's memory: weights, gradients and two optimizer
-    moments in fp32, plus activations; experts split over ep_size."""
+    moments in fp32, plus activations; experts split over ep_size. A Hugging Face model is
+    sized from its safetensors files instead."""
     model = cfg.model_config()
-    d, L, blk, ffn = model.d_model, model.n_layer, model.block_size, model.d_ffn
     ep = cfg.moe.ep_size if cfg.moe else 1
+    if not isinstance(model, GPTConfig):
+        weights = sum(f.stat().st_size for f in Path(str(cfg.init_from)).glob("*.safetensors"))
+        return RANK_BASE_BYTES + 4 * weights // ep  # weights, grads and two moments
+    d, L, blk, ffn = model.d_model, model.n_layer, model.block_size, model.d_ffn
     experts = sum(model.experts_at(i) for i in model.moe_layers())
     dense_layers = L - len(model.moe_layers())
     params = 4 * d * d * L + 2 * d * ffn * (dense_layers + experts / ep) + 512 * d
