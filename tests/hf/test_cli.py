@@ -82,3 +82,24 @@ def test_train_ep2_resume_export_generate(tmp_path):
                  "--max-new-tokens", "5", "--threads", "1"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("def ")
+
+
+def _tokenize_into(args: tuple[str, str, str]) -> int:
+    corpus_dir, tok, cache = args
+    from moebit.data import load_corpus
+
+    return len(tokenize_corpus(load_corpus(corpus_dir), tok, cache).train)
+
+
+def test_ranks_tokenizing_into_one_cache_at_once_all_succeed(tmp_path):
+    """Every rank of a run tokenizes the corpus: concurrent writers must not collide."""
+    import multiprocessing as mp
+
+    tok = str(train_tokenizer(tmp_path / "tok"))
+    corpus = str(_corpus(tmp_path))
+    with mp.get_context("spawn").Pool(3) as pool:
+        for i in range(3):
+            cache = str(tmp_path / f"cache{i}")
+            lengths = pool.map(_tokenize_into, [(corpus, tok, cache)] * 3)
+            assert len(set(lengths)) == 1 and lengths[0] > 0
+            assert not list(Path(cache).glob("*.tmp"))

@@ -71,9 +71,11 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str | Path, cache_dir: str |
         f = cache / f"{key}.{name}.{np.dtype(dtype).name}"
         if not f.is_file():
             ids = _encode(tok, data, dtype)
-            tmp = f.with_suffix(f.suffix + ".tmp")
+            # Every rank of a run may get here at once: each writes its own temporary file
+            # and the renames (atomic, same content) leave one whole cache file.
+            tmp = f.with_suffix(f"{f.suffix}.{os.getpid()}.tmp")
             ids.tofile(tmp)
-            tmp.replace(f)  # atomic: a reader never sees a half-written cache
+            tmp.replace(f)
         splits[name] = np.memmap(f, dtype=dtype, mode="c")  # writable view: torch shares it
     return Corpus(train=splits["train"], val=splits["val"],
                   source=f"{corpus.source} ({tfile} ids)", n_files=corpus.n_files)
