@@ -63,8 +63,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moebit.bench.moe_gated import FLOOR_OF, GATED_BUILDERS, GATED_IMPLS, summarize
-from moebit.moe import MoE, MoEConfig, plan_dispatch
+from moebit.bench.moe_gated import FLOOR_OF, GATED_BUILDERS, GATED_IMPLS, routed_blocks, summarize
+from moebit.moe import MoE, MoEConfig
 from moebit.testing import free_port
 
 IMPLS = ("lower_bound", "moebit", "moebit_loop", "moebit_padded", "moebit_grouped",
@@ -103,13 +103,7 @@ def _lower_bound(spec: dict[str, Any], x: torch.Tensor) -> tuple[Step, nn.Module
 
     torch.manual_seed(0)
     _, moe = _ours(spec, x)
-    with torch.no_grad():
-        r = moe.gate(x)
-        plan = plan_dispatch(r.expert_SK, r.weight_SK, r.kept_SK, spec["experts"])
-    holder = nn.Module()
-    holder.router = moe.gate.router
-    blocks = [b.detach().clone().requires_grad_(True)
-              for b in x.detach().index_select(0, plan.token_N).split(plan.counts)]
+    plan, holder, blocks = routed_blocks(moe, x, spec["experts"])
     ex = moe.experts
     holder.w = nn.ParameterList()
     for e in range(spec["experts"]):

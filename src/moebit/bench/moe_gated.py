@@ -31,6 +31,19 @@ GATED_IMPLS = ("lower_bound_swiglu", "moebit_swiglu", "moebit_swiglu_loop",
                "moebit_swiglu_padded", "moebit_swiglu_grouped", "hf_eager", "hf_grouped_mm")
 
 
+
+def routed_blocks(moe: MoE, x: torch.Tensor, n_experts: int):
+    """What a compute floor starts from: the layer's routing plan, a holder module with its
+    router, and each expert's rows of ``x`` as a separate leaf block (no dispatch cost)."""
+    with torch.no_grad():
+        r = moe.gate(x)
+        plan = plan_dispatch(r.expert_SK, r.weight_SK, r.kept_SK, n_experts)
+    holder = nn.Module()
+    holder.router = moe.gate.router
+    blocks = [b.detach().clone().requires_grad_(True)
+              for b in x.detach().index_select(0, plan.token_N).split(plan.counts)]
+    return plan, holder, blocks
+
 def _swiglu_layer(spec: dict[str, Any], x: torch.Tensor, kernel: str = "auto") -> MoE:
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=spec["experts"], num_experts_per_tok=spec["k"],
@@ -49,13 +62,7 @@ def _ours(kernel: str):
 def _lower_bound(spec: dict[str, Any], x: torch.Tensor):
     """Router + per-expert gated MLPs on pre-gathered blocks of exactly the routed tokens."""
     moe = _swiglu_layer(spec, x)
-    with torch.no_grad():
-        r = moe.gate(x)
-        plan = plan_dispatch(r.expert_SK, r.weight_SK, r.kept_SK, spec["experts"])
-    holder = nn.Module()
-    holder.router = moe.gate.router
-    blocks = [b.detach().clone().requires_grad_(True)
-              for b in x.detach().index_select(0, plan.token_N).split(plan.counts)]
+    plan, holder, blocks = routed_blocks(moe, x, spec["experts"])
     ex = moe.experts
     holder.w = nn.ParameterList()
     for e in range(spec["experts"]):
