@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
+# the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear")
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
@@ -66,8 +69,9 @@ class HFDecoderConfig:
     hf: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {FAMILIES}")
+        if self.model_type not in FAMILIES + DENSE_FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; "
+                             f"supported: {FAMILIES + DENSE_FAMILIES}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if self.qk_norm not in QK_NORMS:
@@ -116,34 +120,25 @@ class HFDecoderConfig:
         mt = hf.get("model_type")
         if mt in _UNSUPPORTED:
             raise ValueError(f"model_type {mt!r} is not supported: {_UNSUPPORTED[mt]}")
-        if mt not in FAMILIES:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {FAMILIES}")
+        if mt not in FAMILIES + DENSE_FAMILIES:
+            raise ValueError(f"model_type {mt!r} is not supported; "
+                             f"supported: {FAMILIES + DENSE_FAMILIES}")
         _check_options(hf, mt)
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
-        e = g.first("num_experts", "num_local_experts")
-        moe_width = (g.need("intermediate_size") if mt in ("mixtral", "olmoe")
-                     else g.need("moe_intermediate_size"))
         rope_theta, rope_type, rope_factor = _rope(hf)
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hidden // heads,
-            intermediate_size=g.need("intermediate_size"), moe_intermediate_size=moe_width,
-            num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
-            moe_layers=_moe_layers(hf, n_layers, e),
-            norm_topk_prob=True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
-                                             if mt == "qwen2_moe" else 0),
+            intermediate_size=g.need("intermediate_size"), **_moe_fields(g, n_layers),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta, rope_type=rope_type, rope_factor=rope_factor,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("qkv_bias", True) if mt == "qwen2_moe"
-                                else hf.get("attention_bias", False)),
-            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(mt, "none"),
+            **_attention_fields(hf, mt),
             clip_qkv=hf.get("clip_qkv"), attention_dropout=float(hf.get("attention_dropout", 0.0)),
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
             ep_size=ep_size, bos_token_id=hf.get("bos_token_id"),
@@ -167,6 +162,41 @@ class _Getter:
         raise ValueError(f"{self.mt} config.json has none of {keys}")
 
 
+def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
+    """The MoE fields of a family's config; a dense family has no expert and no MoE layer."""
+    mt = g.mt
+    if mt in DENSE_FAMILIES:
+        return dict(moe_intermediate_size=g.need("intermediate_size"), num_experts=0,
+                    num_experts_per_tok=0, moe_layers=[])
+    e = g.first("num_experts", "num_local_experts")
+    return dict(
+        moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe")
+                               else g.need("moe_intermediate_size")),
+        num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
+        moe_layers=_moe_layers(g.hf, n_layers, e),
+        norm_topk_prob=True if mt == "mixtral" else bool(g.hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
+                                         if mt == "qwen2_moe" else 0),
+    )
+
+
+def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
+    """q/k/v biases and q/k norms: Qwen2 always has q/k/v biases (Qwen2-MoE: ``qkv_bias``),
+    Qwen3 per-head q/k norms, OLMoE norms over the whole projection."""
+    if mt == "qwen2":
+        bias = True
+    elif mt == "qwen2_moe":
+        bias = bool(hf.get("qkv_bias", True))
+    else:
+        bias = bool(hf.get("attention_bias", False))
+    if mt == "llama" and (bias or hf.get("mlp_bias")):
+        # Llama's attention_bias also biases o_proj, and mlp_bias the MLP: not in this decoder
+        raise ValueError(f"llama: attention_bias = {hf.get('attention_bias')} / mlp_bias = "
+                         f"{hf.get('mlp_bias')} is not supported (o_proj and MLP biases)")
+    qk = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}.get(mt, "none")
+    return dict(attention_bias=bias, qk_norm=qk)
+
+
 def _check_options(hf: dict[str, Any], mt: str) -> None:
     """Options whose non-default values moebit does not implement: named errors."""
     act = hf.get("hidden_act", "silu")
@@ -175,6 +205,10 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
     if hf.get("use_sliding_window") or (mt == "mixtral" and hf.get("sliding_window")):
         raise ValueError(f"{mt}: sliding_window attention is not supported "
                          f"(sliding_window = {hf.get('sliding_window')})")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        raise ValueError(f"{mt}: layer_types {sorted(set(sliding))} are not supported "
+                         "(full_attention only)")
     if hf.get("router_jitter_noise"):
         raise ValueError(f"router_jitter_noise = {hf['router_jitter_noise']} is not supported "
                          "(set it to 0)")
