@@ -1,10 +1,11 @@
 """Sparse upcycling of a Hugging Face dense model into its MoE family.
 
-Llama becomes Mixtral, Qwen2 Qwen2-MoE, Qwen3 Qwen3-MoE: the attention, norms, embeddings
+Llama becomes Mixtral, Qwen2 Qwen2-MoE, Qwen3 Qwen3-MoE, OLMo2 FlexOlmo (OLMo2's
+post-norm layers with OLMoE's experts; OLMoE itself is pre-norm): the attention, norms, embeddings
 and the MLPs of the layers that stay dense are copied unchanged, each MoE layer's experts
 are copies of that layer's dense MLP (optionally with Gaussian noise) and its router is
 N(0, router_std), near zero. With renormalised top-k weights (Mixtral always;
-``norm_topk_prob`` on the Qwen families, the default here) a token's k weights sum to 1 and
+``norm_topk_prob`` on the others, the default here) a token's k weights sum to 1 and
 identical experts give back the dense MLP's output, so the upcycled model computes what the
 dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it.
 
@@ -34,7 +35,9 @@ from moebit.hf.config import FAMILIES, HFDecoderConfig
 from moebit.hf.weights import INDEX, SafetensorsFolder
 
 # dense family -> the MoE family it upcycles into (same attention, norms and RoPE)
-SIBLINGS = {"llama": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
+SIBLINGS = {"llama": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "olmo2": "flex_olmo"}
+# MoE families with every layer MoE (no decoder_sparse_step / mlp_only_layers)
+_ALL_MOE = ("mixtral", "flex_olmo")
 # per-expert tensor names (gate, up, down) and the MoE block's module name, by MoE family
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 _DEFAULT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -43,7 +46,7 @@ _DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 _DROP_KEYS = {"model_type", "architectures", "auto_map", "_name_or_path", "mlp_bias",
               "pretraining_tp", "attention_bias"}
 _ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-          "qwen3_moe": "Qwen3MoeForCausalLM"}
+          "qwen3_moe": "Qwen3MoeForCausalLM", "flex_olmo": "FlexOlmoForCausalLM"}
 # files of the source folder that are not copied: the weights and the config are rewritten
 _NOT_COPIED = ("config.json", INDEX, "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
@@ -51,7 +54,8 @@ _NOT_COPIED = ("config.json", INDEX, "*.safetensors", "*.bin", "*.pt", "*.pth", 
 @dataclass
 class HFUpcycleSpec:
     """How to upcycle. ``moe_every`` and ``mlp_only_layers`` are the Qwen families' layer
-    pattern (``decoder_sparse_step``, ``mlp_only_layers``); Mixtral makes every layer MoE.
+    pattern (``decoder_sparse_step``, ``mlp_only_layers``); Mixtral and FlexOlmo make
+    every layer MoE.
     ``shared_expert`` (Qwen2-MoE): the shared expert is a copy of the dense MLP and the
     routed experts' down projections are halved, so that sigmoid(0) = 1/2 of each adds up
     to the dense MLP; without it the shared expert has width 0 (none)."""
@@ -94,8 +98,8 @@ def _check_spec(spec: HFUpcycleSpec, family: str, n_layers: int) -> None:
     bad = [i for i in spec.mlp_only_layers if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"upcycle: mlp_only_layers {bad} are outside the {n_layers} layers")
-    if family == "mixtral" and (spec.moe_every != 1 or spec.mlp_only_layers):
-        raise ValueError("upcycle: Mixtral has no dense layers (no decoder_sparse_step or "
+    if family in _ALL_MOE and (spec.moe_every != 1 or spec.mlp_only_layers):
+        raise ValueError(f"upcycle: {family} has no dense layers (no decoder_sparse_step or "
                          "mlp_only_layers): leave moe_every at 1 and mlp_only_layers empty")
     if family == "mixtral" and not spec.norm_topk_prob:
         raise ValueError("upcycle: Mixtral always renormalises its top-k weights "
@@ -118,6 +122,9 @@ def moe_config_json(dense_hf: dict[str, Any], spec: HFUpcycleSpec) -> dict[str, 
     if family == "mixtral":
         out.update(num_local_experts=spec.num_experts, router_jitter_noise=0.0,
                    sliding_window=None)
+        return out
+    if family == "flex_olmo":
+        out.update(num_experts=spec.num_experts, norm_topk_prob=spec.norm_topk_prob)
         return out
     out.update(num_experts=spec.num_experts, moe_intermediate_size=width,
                decoder_sparse_step=spec.moe_every, mlp_only_layers=sorted(spec.mlp_only_layers),

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo")
 # dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
 # the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
+# families whose norms follow each sublayer (OLMo2's reordered norms), not precede it
+_POST_NORM = ("olmo2", "flex_olmo")
 ROPE_TYPES = ("default", "linear")
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
@@ -61,6 +63,7 @@ class HFDecoderConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2-MoE's qkv_bias)
     qk_norm: str = "none"  # "head" (Qwen3: RMSNorm over head_dim), "full" (OLMoE: over H*Dh)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    post_norm: bool = False  # OLMo2/FlexOlmo: x + norm(attn(x)), x + norm(mlp(x)); no input norm
     attention_dropout: float = 0.0
     router_aux_loss_coef: float = 0.01
     ep_size: int = 1
@@ -170,7 +173,7 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
                     num_experts_per_tok=0, moe_layers=[])
     e = g.first("num_experts", "num_local_experts")
     return dict(
-        moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe")
+        moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe", "flex_olmo")
                                else g.need("moe_intermediate_size")),
         num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
         moe_layers=_moe_layers(g.hf, n_layers, e),
@@ -181,20 +184,22 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
 
 
 def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
-    """q/k/v biases and q/k norms: Qwen2 always has q/k/v biases (Qwen2-MoE: ``qkv_bias``),
-    Qwen3 per-head q/k norms, OLMoE norms over the whole projection."""
+    """q/k/v biases, q/k norms and where the norms sit: Qwen2 always has q/k/v biases
+    (Qwen2-MoE: ``qkv_bias``), Qwen3 per-head q/k norms, OLMoE and OLMo2/FlexOlmo norms over
+    the whole projection, OLMo2/FlexOlmo norms after each sublayer."""
     if mt == "qwen2":
         bias = True
     elif mt == "qwen2_moe":
         bias = bool(hf.get("qkv_bias", True))
     else:
         bias = bool(hf.get("attention_bias", False))
-    if mt == "llama" and (bias or hf.get("mlp_bias")):
-        # Llama's attention_bias also biases o_proj, and mlp_bias the MLP: not in this decoder
-        raise ValueError(f"llama: attention_bias = {hf.get('attention_bias')} / mlp_bias = "
+    if mt in ("llama", "olmo2", "flex_olmo") and (bias or hf.get("mlp_bias")):
+        # their attention_bias also biases o_proj (Llama's mlp_bias the MLP): not in this decoder
+        raise ValueError(f"{mt}: attention_bias = {hf.get('attention_bias')} / mlp_bias = "
                          f"{hf.get('mlp_bias')} is not supported (o_proj and MLP biases)")
-    qk = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}.get(mt, "none")
-    return dict(attention_bias=bias, qk_norm=qk)
+    qk = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full", "olmo2": "full",
+          "flex_olmo": "full"}.get(mt, "none")
+    return dict(attention_bias=bias, qk_norm=qk, post_norm=mt in _POST_NORM)
 
 
 def _check_options(hf: dict[str, Any], mt: str) -> None:
