@@ -124,6 +124,7 @@ CASES = {  # id: (dense family, spec, MoE family, MoE layers)
     "llama-k1": ("llama", dict(num_experts=3, num_experts_per_tok=1), "mixtral", [0, 1, 2]),
     "qwen2-k2": ("qwen2", dict(num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]),
                  "qwen2_moe", [1, 2]),
+    "qwen2-k1": ("qwen2", dict(num_experts=4, num_experts_per_tok=1), "qwen2_moe", [0, 1, 2]),
     "qwen2-shared": ("qwen2", dict(num_experts=4, num_experts_per_tok=2, shared_expert=True),
                      "qwen2_moe", [0, 1, 2]),
     "olmo2-k2": ("olmo2", dict(num_experts=4, num_experts_per_tok=2), "flex_olmo", [0, 1, 2]),
