@@ -215,18 +215,33 @@ def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
         warnings.warn("upcycle: the top-k weights do not sum to 1 (norm_topk_prob off) or the "
                       "experts are noised: the upcycled model starts away from the dense "
                       "model's outputs; see docs/moe-routing.md", stacklevel=2)
-    reader = SafetensorsFolder(src)
-    out.mkdir(parents=True, exist_ok=True)
+    # written next to ``out`` and renamed at the end: an interrupted upcycle leaves no
+    # folder that looks like a complete model (or blocks the next try)
+    tmp = out.parent / f".{out.name}.upcycle-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_folder(SafetensorsFolder(src), cfg, spec, moe_hf, tmp)
+        _copy_side_files(src, tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_folder(reader: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec,
+                  moe_hf: dict[str, Any], folder: Path) -> None:
+    """The shards, their index and config.json."""
     n = 1 + len(cfg.moe_layers)
     weight_map: dict[str, str] = {}
     total = 0
     for i, tensors in enumerate(_shards(reader, cfg, spec), start=1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (out / "config.json").write_text(json.dumps(moe_hf, indent=2, sort_keys=True) + "\n")
-    _copy_side_files(src, out)
-    return out
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (folder / "config.json").write_text(json.dumps(moe_hf, indent=2, sort_keys=True) + "\n")

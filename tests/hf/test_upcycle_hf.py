@@ -190,6 +190,19 @@ def test_upcycle_is_deterministic_in_its_seed(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_a_missing_mlp_tensor_is_named_and_leaves_no_folder(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_dense("llama", tmp_path / "dense")
+    f = tmp_path / "dense" / "model.safetensors"
+    sd = load_file(f)
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="no tensor model.layers.1.mlp.up_proj.weight"):
+        upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(num_experts=4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no partial output
+
+
 def test_config_keeps_the_dense_attention_and_sets_the_moe_keys():
     dense = {**BASE, "model_type": "qwen2", "intermediate_size": 40, "tie_word_embeddings": True,
              "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
