@@ -164,6 +164,28 @@ def test_upcycled_model_computes_the_dense_model(case, tmp_path):
         assert torch.equal(experts.down_proj[e], halved * mlp.down_proj.weight)
 
 
+def _ep_logits(rank: int, world: int, folder: str) -> dict:
+    torch.set_num_threads(1)
+    model = from_pretrained(folder, ep_size=world, rank=rank)
+    with torch.no_grad():
+        return {"logits": model(_ids()).logits,
+                "experts": model.blocks[0].mlp.experts.first_expert}
+
+
+def test_upcycled_folder_under_expert_parallelism(tmp_path):
+    """ep 2 on 2 gloo ranks: each rank holds half of the copies, the logits stay the dense ones."""
+    from moebit.testing import run_on_ranks
+
+    ref = make_dense("olmo2", tmp_path / "dense")
+    upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(num_experts=4))
+    results = run_on_ranks(_ep_logits, world=2, args=(str(tmp_path / "up"),), timeout=240)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+    assert [r["experts"] for r in results] == [0, 2]
+    for r in results:
+        torch.testing.assert_close(r["logits"], want, atol=1e-4, rtol=0)
+
+
 def test_noise_and_unnormalised_weights_move_off_the_dense_model(tmp_path):
     ref = make_dense("qwen3", tmp_path / "dense")
     ids = _ids()
