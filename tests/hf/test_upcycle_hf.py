@@ -236,6 +236,23 @@ def test_config_keeps_the_dense_attention_and_sets_the_moe_keys():
     assert cfg["rope_parameters"]["rope_theta"] == 5e5 and cfg["tie_word_embeddings"] is True
 
 
+def test_cli_upcycles_a_hf_folder(tmp_path, capsys):
+    ref = make_dense("qwen2", tmp_path / "dense", vocab_size=320)
+    train_tokenizer(tmp_path / "dense")
+    assert upcycle_main([str(tmp_path / "dense"), "--num-experts", "4", "--num-experts-per-tok",
+                         "2", "--moe-every", "2", "--router-aux-loss-coef", "0.02",
+                         "--run-dir", str(tmp_path / "up")]) == 0  # --run-dir is --out
+    assert "(qwen2_moe, 4 experts, top-2)" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "up" / "config.json").read_text())
+    assert cfg["decoder_sparse_step"] == 2 and cfg["router_aux_loss_coef"] == 0.02
+    assert (tmp_path / "up" / "tokenizer.json").read_bytes() == (
+        tmp_path / "dense" / "tokenizer.json").read_bytes()
+    ids = _ids(vocab=320)
+    with torch.no_grad():
+        torch.testing.assert_close(_load_hf(tmp_path / "up")(ids).logits, ref(ids).logits,
+                                   atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--num-experts", "2", "--num-experts-per-tok", "3"], "num_experts = 2 < num_experts_per_tok = 3"),
     (["--num-experts", "4", "--moe-every", "2"], "mixtral has no dense layers"),

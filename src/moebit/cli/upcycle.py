@@ -7,8 +7,9 @@ A moebit run folder becomes an MoE run folder:
         --set num_experts_per_tok=2 --set bias_update_speed=1e-3 --run-dir runs/up
     moebit train --resume runs/upcycled --steps 600      # 600 counts the dense steps too
 
-A dense Hugging Face folder (Llama, Qwen2, Qwen3) becomes a folder of its MoE family
-(Mixtral, Qwen2-MoE, Qwen3-MoE) that transformers and ``moebit train --init-from`` load:
+A dense Hugging Face folder (Llama, Qwen2, Qwen3, OLMo2) becomes a folder of its MoE
+family (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo) that transformers and ``moebit train
+--init-from`` load:
 
     moebit upcycle path/to/qwen3 --num-experts 8 --num-experts-per-tok 2 --out qwen3-moe/
     moebit upcycle path/to/qwen2 --num-experts 8 --moe-every 2 --shared-expert --out up/
@@ -64,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
     hf.add_argument("--mlp-only-layers", metavar="I,J,...",
                     help="layers that stay dense (Qwen families' mlp_only_layers)")
     hf.add_argument("--no-norm-topk-prob", action="store_true",
-                    help="Qwen families: do not renormalise the top-k weights (the upcycled "
-                         "model then starts away from the dense outputs)")
+                    help="Qwen families, FlexOlmo: do not renormalise the top-k weights (the "
+                         "upcycled model then starts away from the dense outputs)")
     hf.add_argument("--shared-expert", action="store_true",
                     help="Qwen2-MoE: the shared expert copies the dense MLP (default: none)")
     hf.add_argument("--router-aux-loss-coef", type=float,
