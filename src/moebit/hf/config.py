@@ -1,11 +1,12 @@
-"""`HFDecoderConfig`: one Hugging Face MoE ``config.json`` in moebit's terms.
+"""`HFDecoderConfig`: one Hugging Face MoE (or dense sibling) ``config.json`` in moebit's terms.
 
-The four families differ in a handful of switches (where the experts' width is stored,
+The families differ in a handful of switches (where the experts' width is stored,
 whether the router renormalises its top-k weights, q/k norms per head or over the whole
-projection, a gated shared expert, which layers are dense); everything else is the same
-pre-norm RMSNorm/RoPE/GQA decoder. A key this mapping does not understand, and a value
-moebit does not implement (sliding windows, an unknown RoPE type, another activation),
-is an error naming it: a checkpoint never silently means something else.
+projection, a gated shared expert, which layers are dense, norms before or after each
+sublayer); everything else is the same RMSNorm/RoPE/GQA decoder. The dense families
+(Llama, Qwen2, Qwen3, OLMo2) are that decoder with no MoE layer. A key this mapping does
+not understand, and a value moebit does not implement (sliding windows, an unknown RoPE
+type, another activation), is an error naming it: a checkpoint never silently means something else.
 
     cfg = HFDecoderConfig.from_hf(json.load(open("model/config.json")), ep_size=2)
     cfg.to_hf()        # the config.json to write back (the original keys, dtype updated)
