@@ -212,6 +212,19 @@ def test_upcycle_is_deterministic_in_its_seed(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_upcycle_keeps_the_checkpoint_dtype(tmp_path):
+    from safetensors import safe_open
+
+    make_dense("qwen3", tmp_path / "fp32").to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(num_experts=4, noise_std=0.0))
+    assert json.loads((tmp_path / "up" / "config.json").read_text())["dtype"] == "bfloat16"
+    for f in (tmp_path / "up").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            assert {h.get_tensor(k).dtype for k in h.keys()} == {torch.bfloat16}, f.name
+    model = from_pretrained(tmp_path / "up", dtype="auto")
+    assert model.blocks[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
 def test_a_missing_mlp_tensor_is_named_and_leaves_no_folder(tmp_path):
     from safetensors.torch import load_file, save_file
 
