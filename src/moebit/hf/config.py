@@ -1,11 +1,12 @@
-"""`HFDecoderConfig`: one Hugging Face MoE ``config.json`` in moebit's terms.
+"""`HFDecoderConfig`: one Hugging Face MoE (or dense sibling) ``config.json`` in moebit's terms.
 
-The four families differ in a handful of switches (where the experts' width is stored,
+The families differ in a handful of switches (where the experts' width is stored,
 whether the router renormalises its top-k weights, q/k norms per head or over the whole
-projection, a gated shared expert, which layers are dense); everything else is the same
-pre-norm RMSNorm/RoPE/GQA decoder. A key this mapping does not understand, and a value
-moebit does not implement (sliding windows, an unknown RoPE type, another activation),
-is an error naming it: a checkpoint never silently means something else.
+projection, a gated shared expert, which layers are dense, norms before or after each
+sublayer); everything else is the same RMSNorm/RoPE/GQA decoder. The dense families
+(Llama, Qwen2, Qwen3, OLMo2) are that decoder with no MoE layer. A key this mapping does
+not understand, and a value moebit does not implement (sliding windows, an unknown RoPE
+type, another activation), is an error naming it: a checkpoint never silently means something else.
 
     cfg = HFDecoderConfig.from_hf(json.load(open("model/config.json")), ep_size=2)
     cfg.to_hf()        # the config.json to write back (the original keys, dtype updated)
@@ -19,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo")
+# dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
+# the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
+# families whose norms follow each sublayer (OLMo2's reordered norms), not precede it
+_POST_NORM = ("olmo2", "flex_olmo")
 ROPE_TYPES = ("default", "linear")
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
@@ -58,6 +64,7 @@ class HFDecoderConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2-MoE's qkv_bias)
     qk_norm: str = "none"  # "head" (Qwen3: RMSNorm over head_dim), "full" (OLMoE: over H*Dh)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    post_norm: bool = False  # OLMo2/FlexOlmo: x + norm(attn(x)), x + norm(mlp(x)); no input norm
     attention_dropout: float = 0.0
     router_aux_loss_coef: float = 0.01
     ep_size: int = 1
@@ -66,8 +73,9 @@ class HFDecoderConfig:
     hf: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {FAMILIES}")
+        if self.model_type not in FAMILIES + DENSE_FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; "
+                             f"supported: {FAMILIES + DENSE_FAMILIES}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if self.qk_norm not in QK_NORMS:
@@ -116,34 +124,25 @@ class HFDecoderConfig:
         mt = hf.get("model_type")
         if mt in _UNSUPPORTED:
             raise ValueError(f"model_type {mt!r} is not supported: {_UNSUPPORTED[mt]}")
-        if mt not in FAMILIES:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {FAMILIES}")
+        if mt not in FAMILIES + DENSE_FAMILIES:
+            raise ValueError(f"model_type {mt!r} is not supported; "
+                             f"supported: {FAMILIES + DENSE_FAMILIES}")
         _check_options(hf, mt)
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
-        e = g.first("num_experts", "num_local_experts")
-        moe_width = (g.need("intermediate_size") if mt in ("mixtral", "olmoe")
-                     else g.need("moe_intermediate_size"))
         rope_theta, rope_type, rope_factor = _rope(hf)
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hidden // heads,
-            intermediate_size=g.need("intermediate_size"), moe_intermediate_size=moe_width,
-            num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
-            moe_layers=_moe_layers(hf, n_layers, e),
-            norm_topk_prob=True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
-                                             if mt == "qwen2_moe" else 0),
+            intermediate_size=g.need("intermediate_size"), **_moe_fields(g, n_layers),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta, rope_type=rope_type, rope_factor=rope_factor,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("qkv_bias", True) if mt == "qwen2_moe"
-                                else hf.get("attention_bias", False)),
-            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(mt, "none"),
+            **_attention_fields(hf, mt),
             clip_qkv=hf.get("clip_qkv"), attention_dropout=float(hf.get("attention_dropout", 0.0)),
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
             ep_size=ep_size, bos_token_id=hf.get("bos_token_id"),
@@ -167,6 +166,43 @@ class _Getter:
         raise ValueError(f"{self.mt} config.json has none of {keys}")
 
 
+def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
+    """The MoE fields of a family's config; a dense family has no expert and no MoE layer."""
+    mt = g.mt
+    if mt in DENSE_FAMILIES:
+        return dict(moe_intermediate_size=g.need("intermediate_size"), num_experts=0,
+                    num_experts_per_tok=0, moe_layers=[])
+    e = g.first("num_experts", "num_local_experts")
+    return dict(
+        moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe", "flex_olmo")
+                               else g.need("moe_intermediate_size")),
+        num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
+        moe_layers=_moe_layers(g.hf, n_layers, e),
+        norm_topk_prob=True if mt == "mixtral" else bool(g.hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
+                                         if mt == "qwen2_moe" else 0),
+    )
+
+
+def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
+    """q/k/v biases, q/k norms and where the norms sit: Qwen2 always has q/k/v biases
+    (Qwen2-MoE: ``qkv_bias``), Qwen3 per-head q/k norms, OLMoE and OLMo2/FlexOlmo norms over
+    the whole projection, OLMo2/FlexOlmo norms after each sublayer."""
+    if mt == "qwen2":
+        bias = True
+    elif mt == "qwen2_moe":
+        bias = bool(hf.get("qkv_bias", True))
+    else:
+        bias = bool(hf.get("attention_bias", False))
+    if mt in ("llama", "olmo2", "flex_olmo") and (bias or hf.get("mlp_bias")):
+        # their attention_bias also biases o_proj (Llama's mlp_bias the MLP): not in this decoder
+        raise ValueError(f"{mt}: attention_bias = {hf.get('attention_bias')} / mlp_bias = "
+                         f"{hf.get('mlp_bias')} is not supported (o_proj and MLP biases)")
+    qk = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full", "olmo2": "full",
+          "flex_olmo": "full"}.get(mt, "none")
+    return dict(attention_bias=bias, qk_norm=qk, post_norm=mt in _POST_NORM)
+
+
 def _check_options(hf: dict[str, Any], mt: str) -> None:
     """Options whose non-default values moebit does not implement: named errors."""
     act = hf.get("hidden_act", "silu")
@@ -175,6 +211,10 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
     if hf.get("use_sliding_window") or (mt == "mixtral" and hf.get("sliding_window")):
         raise ValueError(f"{mt}: sliding_window attention is not supported "
                          f"(sliding_window = {hf.get('sliding_window')})")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        raise ValueError(f"{mt}: layer_types {sorted(set(sliding))} are not supported "
+                         "(full_attention only)")
     if hf.get("router_jitter_noise"):
         raise ValueError(f"router_jitter_noise = {hf['router_jitter_noise']} is not supported "
                          "(set it to 0)")

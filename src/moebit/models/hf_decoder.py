@@ -141,9 +141,13 @@ def moe_config_for(cfg: HFDecoderConfig) -> MoEConfig:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: HFDecoderConfig, layer: int, ep_groups: Any = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = cfg.post_norm  # OLMo2/FlexOlmo: norms on the sublayers' outputs
+        if not self.post_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.post_norm:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = layer in cfg.moe_layers
         self.mlp: nn.Module = (MoE(cfg.hidden_size, moe_config_for(cfg), ep_groups) if self.is_moe
                                else GatedMLP(cfg.hidden_size, cfg.intermediate_size, "swiglu"))
@@ -151,18 +155,26 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache | None = None) -> tuple[torch.Tensor, HFFeedForwardOutput | None]:
         """(new x, the feed-forward's output); decoding runs ``infer`` on the cache's rows."""
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache)
-        h = self.post_attention_layernorm(x)
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, cache))
+            h = x
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache)
+            h = self.post_attention_layernorm(x)
         if cache is not None:
-            return x + self._decode_ffn(h, cache.ffn_rows(x.shape[1])), None
+            return x + self._ffn_out(self._decode_ffn(h, cache.ffn_rows(x.shape[1]))), None
         if not self.is_moe:
             zero = h.new_zeros((), dtype=torch.float32)
-            return x + self.mlp(h), HFFeedForwardOutput(h, zero, None)
+            return x + self._ffn_out(self.mlp(h)), HFFeedForwardOutput(h, zero, None)
         out = self.mlp(h)
         with torch.autocast(h.device.type, enabled=False):
             logits_SE = F.linear(h.reshape(-1, h.shape[-1]).float(),
                                  self.mlp.gate.router.weight.float())
-        return x + out.hidden, HFFeedForwardOutput(out.hidden, out.aux_loss, logits_SE, out.stats)
+        return (x + self._ffn_out(out.hidden),
+                HFFeedForwardOutput(out.hidden, out.aux_loss, logits_SE, out.stats))
+
+    def _ffn_out(self, y: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(y) if self.post_norm else y
 
     def _decode_ffn(self, h_BTD: torch.Tensor, rows_N: torch.Tensor | None) -> torch.Tensor:
         b, t, d = h_BTD.shape

@@ -1,0 +1,247 @@
+"""Sparse upcycling of a Hugging Face dense model into its MoE family.
+
+Llama becomes Mixtral, Qwen2 Qwen2-MoE, Qwen3 Qwen3-MoE, OLMo2 FlexOlmo (OLMo2's
+post-norm layers with OLMoE's experts; OLMoE itself is pre-norm): the attention, norms, embeddings
+and the MLPs of the layers that stay dense are copied unchanged, each MoE layer's experts
+are copies of that layer's dense MLP (optionally with Gaussian noise) and its router is
+N(0, router_std), near zero. With renormalised top-k weights (Mixtral always;
+``norm_topk_prob`` on the others, the default here) a token's k weights sum to 1 and
+identical experts give back the dense MLP's output, so the upcycled model computes what the
+dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it.
+
+The output is an ordinary Hugging Face folder: the MoE family's ``config.json`` and sharded
+safetensors in the per-expert layout that transformers' ``save_pretrained`` writes (shard
+1: every tensor outside the MoE layers' MLPs; then one shard per MoE layer, so at most one
+layer's experts are in memory at a time), plus the source's tokenizer and generation files.
+transformers, ``moebit.hf.from_pretrained`` and ``moebit train --init-from`` load it.
+
+    upcycle_hf("llama-dense/", "mixtral-up/", HFUpcycleSpec(num_experts=8, num_experts_per_tok=2))
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from moebit.hf.config import FAMILIES, HFDecoderConfig
+from moebit.hf.weights import INDEX, SafetensorsFolder
+
+# dense family -> the MoE family it upcycles into (same attention, norms and RoPE)
+SIBLINGS = {"llama": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "olmo2": "flex_olmo"}
+# MoE families with every layer MoE (no decoder_sparse_step / mlp_only_layers)
+_ALL_MOE = ("mixtral", "flex_olmo")
+# per-expert tensor names (gate, up, down) and the MoE block's module name, by MoE family
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
+_DEFAULT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+# dense config keys with no meaning (or another one) in the MoE family's config
+_DROP_KEYS = {"model_type", "architectures", "auto_map", "_name_or_path", "mlp_bias",
+              "pretraining_tp", "attention_bias"}
+_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM", "flex_olmo": "FlexOlmoForCausalLM"}
+# files of the source folder that are not copied: the weights and the config are rewritten
+_NOT_COPIED = ("config.json", INDEX, "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+@dataclass
+class HFUpcycleSpec:
+    """How to upcycle. ``moe_every`` and ``mlp_only_layers`` are the Qwen families' layer
+    pattern (``decoder_sparse_step``, ``mlp_only_layers``); Mixtral and FlexOlmo make
+    every layer MoE.
+    ``shared_expert`` (Qwen2-MoE): the shared expert is a copy of the dense MLP and the
+    routed experts' down projections are halved, so that sigmoid(0) = 1/2 of each adds up
+    to the dense MLP; without it the shared expert has width 0 (none)."""
+
+    num_experts: int
+    num_experts_per_tok: int = 2
+    noise_std: float = 0.0
+    router_std: float = 1e-3
+    moe_every: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    norm_topk_prob: bool = True
+    shared_expert: bool = False
+    router_aux_loss_coef: float = 0.001  # transformers' default for these families
+    seed: int = 0
+
+
+def moe_family_of(dense_hf: dict[str, Any]) -> str:
+    """The MoE family a dense config.json upcycles into; named errors otherwise."""
+    mt = dense_hf.get("model_type")
+    if mt in FAMILIES:
+        raise ValueError(f"upcycle: the source is already an MoE model (model_type {mt!r}); "
+                         f"upcycling starts from a dense model of {sorted(SIBLINGS)}")
+    if mt not in SIBLINGS:
+        raise ValueError(f"upcycle: model_type {mt!r} cannot be upcycled; supported dense "
+                         f"families: {', '.join(f'{d} -> {m}' for d, m in SIBLINGS.items())}")
+    return SIBLINGS[mt]
+
+
+def _check_spec(spec: HFUpcycleSpec, family: str, n_layers: int) -> None:
+    e, k = spec.num_experts, spec.num_experts_per_tok
+    if e < 1 or k < 1:
+        raise ValueError(f"upcycle: num_experts ({e}) and num_experts_per_tok ({k}) must be >= 1")
+    if e < k:
+        raise ValueError(f"upcycle: num_experts = {e} < num_experts_per_tok = {k}: a token "
+                         "cannot pick more experts than there are")
+    if spec.noise_std < 0 or spec.router_std < 0:
+        raise ValueError("upcycle: noise_std and router_std must be >= 0")
+    if spec.moe_every < 1:
+        raise ValueError(f"upcycle: moe_every must be >= 1, got {spec.moe_every}")
+    bad = [i for i in spec.mlp_only_layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"upcycle: mlp_only_layers {bad} are outside the {n_layers} layers")
+    if family in _ALL_MOE and (spec.moe_every != 1 or spec.mlp_only_layers):
+        raise ValueError(f"upcycle: {family} has no dense layers (no decoder_sparse_step or "
+                         "mlp_only_layers): leave moe_every at 1 and mlp_only_layers empty")
+    if family == "mixtral" and not spec.norm_topk_prob:
+        raise ValueError("upcycle: Mixtral always renormalises its top-k weights "
+                         "(norm_topk_prob cannot be turned off)")
+    if spec.shared_expert and family != "qwen2_moe":
+        raise ValueError(f"upcycle: shared_expert is Qwen2-MoE's; {family} has none")
+
+
+def moe_config_json(dense_hf: dict[str, Any], spec: HFUpcycleSpec) -> dict[str, Any]:
+    """The MoE family's config.json: the dense keys (attention, RoPE, norms, vocabulary,
+    token ids, dtype) with the MoE keys of ``spec``; each expert is as wide as the MLP."""
+    family = moe_family_of(dense_hf)
+    HFDecoderConfig.from_hf(dense_hf)  # the dense model must itself be one moebit loads
+    _check_spec(spec, family, int(dense_hf["num_hidden_layers"]))
+    width = int(dense_hf["intermediate_size"])
+    out = {k: v for k, v in dense_hf.items() if k not in _DROP_KEYS}
+    out.update(model_type=family, architectures=[_ARCHS[family]],
+               num_experts_per_tok=spec.num_experts_per_tok, output_router_logits=False,
+               router_aux_loss_coef=spec.router_aux_loss_coef)
+    if family == "mixtral":
+        out.update(num_local_experts=spec.num_experts, router_jitter_noise=0.0,
+                   sliding_window=None)
+        return out
+    if family == "flex_olmo":
+        out.update(num_experts=spec.num_experts, norm_topk_prob=spec.norm_topk_prob)
+        return out
+    out.update(num_experts=spec.num_experts, moe_intermediate_size=width,
+               decoder_sparse_step=spec.moe_every, mlp_only_layers=sorted(spec.mlp_only_layers),
+               norm_topk_prob=spec.norm_topk_prob)
+    if family == "qwen2_moe":
+        out.update(qkv_bias=True, shared_expert_intermediate_size=width if spec.shared_expert else 0)
+    else:  # Qwen3-MoE: q/k/v biases as the dense Qwen3; no per-layer attention types
+        out.update(attention_bias=bool(dense_hf.get("attention_bias", False)))
+        out.pop("layer_types", None)
+    return out
+
+
+def preserves_dense_output(spec: HFUpcycleSpec, family: str) -> bool:
+    """Whether the upcycled model computes the dense one's outputs: the k weights sum to 1
+    (renormalised top-k) and no noise makes the experts differ."""
+    return (family == "mixtral" or spec.norm_topk_prob) and spec.noise_std == 0
+
+
+def _moe_layer_tensors(src: SafetensorsFolder, cfg: HFDecoderConfig, layer: int,
+                       spec: HFUpcycleSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One MoE layer's router, experts (copies of the dense MLP) and shared expert."""
+    dense = {}
+    for n in _DENSE_MLP:
+        name = f"model.layers.{layer}.mlp.{n}.weight"
+        if name not in src:
+            raise KeyError(f"upcycle: the dense checkpoint {src.folder} has no tensor {name}")
+        dense[n] = src.read(name)
+    i, h = cfg.intermediate_size, cfg.hidden_size
+    want = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    for n, t in dense.items():
+        if tuple(t.shape) != want[n]:
+            raise ValueError(f"upcycle: model.layers.{layer}.mlp.{n}.weight has shape "
+                             f"{tuple(t.shape)}, config.json implies {want[n]}")
+    mixtral = cfg.model_type == "mixtral"
+    prefix = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    names = _EXPERT_NAMES.get(cfg.model_type, _DEFAULT_EXPERT_NAMES)
+    scale = {"down_proj": 0.5} if cfg.shared_expert_intermediate_size else {}
+    dtype = dense["gate_proj"].dtype
+    out = {f"{prefix}.gate.weight": (spec.router_std * torch.randn(
+        cfg.num_experts, h, generator=gen)).to(dtype)}
+    for e in range(cfg.num_experts):
+        for n, hf_n in zip(_DENSE_MLP, names, strict=True):
+            w = dense[n].float() * scale.get(n, 1.0)
+            if spec.noise_std:
+                w = w + spec.noise_std * torch.randn(w.shape, generator=gen)
+            out[f"{prefix}.experts.{e}.{hf_n}.weight"] = w.to(dtype).contiguous()
+    if cfg.model_type == "qwen2_moe":
+        shared = cfg.shared_expert_intermediate_size
+        for n in _DENSE_MLP:
+            t = dense[n] if shared else dense[n].new_empty((0, h) if n != "down_proj" else (h, 0))
+            out[f"{prefix}.shared_expert.{n}.weight"] = t.clone()
+        out[f"{prefix}.shared_expert_gate.weight"] = torch.zeros(1, h, dtype=dtype)
+    return out
+
+
+def _shards(src: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec
+            ) -> Iterator[dict[str, torch.Tensor]]:
+    """Shard 1: every source tensor but the MoE layers' dense MLPs; then one per MoE layer."""
+    consumed = {f"model.layers.{i}.mlp.{n}.weight" for i in cfg.moe_layers for n in _DENSE_MLP}
+    yield {name: src.read(name) for name in sorted(src.where) if name not in consumed}
+    gen = torch.Generator().manual_seed(spec.seed)
+    for layer in cfg.moe_layers:
+        yield _moe_layer_tensors(src, cfg, layer, spec, gen)
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Tokenizer, generation config, chat template...: every top-level file but weights."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not any(f.match(p) for p in _NOT_COPIED):
+            shutil.copy2(f, out / f.name)
+
+
+def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
+    """Write the upcycled MoE model of the dense Hugging Face folder ``src`` to ``out``
+    (a new or empty folder). Returns ``out``."""
+    src, out = Path(src), Path(out)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"upcycle: {src / 'config.json'} does not exist")
+    dense_hf = json.loads((src / "config.json").read_text())
+    moe_hf = moe_config_json(dense_hf, spec)
+    cfg = HFDecoderConfig.from_hf(moe_hf)
+    if not cfg.moe_layers:
+        raise ValueError(f"upcycle: moe_every = {spec.moe_every} and mlp_only_layers = "
+                         f"{spec.mlp_only_layers} leave no MoE layer in {cfg.num_layers} layers")
+    if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):
+        raise ValueError(f"upcycle: the output folder {out} is not empty: pick a new one")
+    if not preserves_dense_output(spec, cfg.model_type):
+        warnings.warn("upcycle: the top-k weights do not sum to 1 (norm_topk_prob off) or the "
+                      "experts are noised: the upcycled model starts away from the dense "
+                      "model's outputs; see docs/moe-routing.md", stacklevel=2)
+    # written next to ``out`` and renamed at the end: an interrupted upcycle leaves no
+    # folder that looks like a complete model (or blocks the next try)
+    tmp = out.parent / f".{out.name}.upcycle-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_folder(SafetensorsFolder(src), cfg, spec, moe_hf, tmp)
+        _copy_side_files(src, tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_folder(reader: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec,
+                  moe_hf: dict[str, Any], folder: Path) -> None:
+    """The shards, their index and config.json."""
+    n = 1 + len(cfg.moe_layers)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, tensors in enumerate(_shards(reader, cfg, spec), start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (folder / "config.json").write_text(json.dumps(moe_hf, indent=2, sort_keys=True) + "\n")
