@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebit.models.rope import ROPE_TYPES, RopeSpec, parse_rope
+
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-ROPE_TYPES = ("default", "linear")
+# transformers' rope_theta when a config.json gives none (its `default_theta`)
+_DEFAULT_THETA = {"mixtral": 1e6}
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
 _UNSUPPORTED = {
@@ -52,6 +55,7 @@ class HFDecoderConfig:
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
+    rope_params: dict[str, Any] = field(default_factory=dict)  # the type's other parameters
     max_position_embeddings: int = 4096
     block_size: int = 0  # sequence length moebit trains / decodes at; 0: max_position_embeddings
     tie_word_embeddings: bool = False
@@ -87,6 +91,11 @@ class HFDecoderConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def rope(self) -> RopeSpec:
+        return RopeSpec(self.rope_type, self.rope_theta, self.rope_factor, self.head_dim,
+                        self.max_position_embeddings, dict(self.rope_params))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,12 +134,13 @@ class HFDecoderConfig:
         e = g.first("num_experts", "num_local_experts")
         moe_width = (g.need("intermediate_size") if mt in ("mixtral", "olmoe")
                      else g.need("moe_intermediate_size"))
-        rope_theta, rope_type, rope_factor = _rope(hf)
+        head_dim = hf.get("head_dim") or hidden // heads
+        rope = parse_rope(hf, head_dim, _DEFAULT_THETA.get(mt, 10000.0))
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=g.need("intermediate_size"), moe_intermediate_size=moe_width,
             num_experts=e, num_experts_per_tok=g.need("num_experts_per_tok"),
             moe_layers=_moe_layers(hf, n_layers, e),
@@ -138,8 +148,8 @@ class HFDecoderConfig:
             shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
                                              if mt == "qwen2_moe" else 0),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta, rope_type=rope_type, rope_factor=rope_factor,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=rope.theta, rope_type=rope.rope_type, rope_factor=rope.factor,
+            rope_params=rope.params, max_position_embeddings=rope.max_position_embeddings,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("qkv_bias", True) if mt == "qwen2_moe"
                                 else hf.get("attention_bias", False)),
@@ -180,20 +190,6 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
                          "(set it to 0)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, str, float]:
-    """(theta, type, factor) from 5.x ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rtype = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rtype not in ROPE_TYPES:
-        raise ValueError(f"RoPE scaling rope_type {rtype!r} is not supported; supported: {ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope_parameters.partial_rotary_factor != 1 is not supported")
-    factor = float(params.get("factor", scaling.get("factor", 1.0))) if rtype == "linear" else 1.0
-    return float(theta), rtype, factor
 
 
 def _moe_layers(hf: dict[str, Any], n_layers: int, num_experts: int) -> list[int]:
