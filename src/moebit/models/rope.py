@@ -110,9 +110,9 @@ def parse_rope(hf: dict[str, Any], head_dim: int, default_theta: float = 10000.0
     prf = src.get("partial_rotary_factor", 1.0)
     if prf != 1.0:
         raise ValueError(f"{where}.partial_rotary_factor = {prf!r} is not supported (only 1)")
-    theta_src = src.get("rope_theta")
-    if theta_src is None:  # a 4.x rope_scaling holds no theta; 5.x may keep it beside
-        theta_src = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    # a 4.x rope_scaling holds no theta: the top-level one (rope_parameters is not read
+    # when rope_scaling is there, as in transformers)
+    theta_src = src.get("rope_theta", hf.get("rope_theta"))
     theta = default_theta if theta_src is None else _number(where, "rope_theta", theta_src, 0, True)
     max_pos = int(hf.get("max_position_embeddings", 4096))
     factor = 1.0
