@@ -204,8 +204,9 @@ class HFDecoder(nn.Module):
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
 
-    def _cos_sin(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(pos_BT)
+    def _cos_sin(self, pos_BT: torch.Tensor,
+                 seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(pos_BT, seq_len)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, logits_to_keep: int = 0) -> ModelOutput:
@@ -214,9 +215,9 @@ class HFDecoder(nn.Module):
         b, t = input_ids.shape
         if cache is None:
             pos = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+            cos_sin = self._cos_sin(pos, seq_len=t)
         else:  # unclamped, as transformers: dynamic NTK rescales past max_position_embeddings
-            pos = cache.positions(t)
-        cos_sin = self._cos_sin(pos)
+            cos_sin = self._cos_sin(cache.positions(t))
         x = self.wte(input_ids)
         outs: list[HFFeedForwardOutput] = []
         for block in self.blocks:

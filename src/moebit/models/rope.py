@@ -299,16 +299,23 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.original_inv_freq.clone()
             self.max_seq_len_cached = orig
 
-    def forward(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [B, T, head_dim] float32 of positions ``pos_BT``."""
+    def forward(self, pos_BT: torch.Tensor,
+                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, T, head_dim] float32 of positions ``pos_BT``.
+
+        ``seq_len``: the last position + 1 when the caller knows it on the host (a
+        forward without a cache); else dynamic NTK reads it from the device (one sync
+        per forward, as transformers) and longrope picks its factors on the device."""
         inv = self.inv_freq
-        if self.spec.rope_type in ("dynamic", "longrope") and pos_BT.numel():
-            seq_len = int(pos_BT.max()) + 1  # one device sync, as in transformers
-            if self.spec.rope_type == "dynamic":
-                self._dynamic_update(seq_len)
-                inv = self.inv_freq
-            elif seq_len > self.spec.original_max_position_embeddings:
-                inv = self.long_inv_freq
+        if self.spec.rope_type == "dynamic" and pos_BT.numel():
+            self._dynamic_update(seq_len if seq_len is not None else int(pos_BT.max()) + 1)
+            inv = self.inv_freq
+        elif self.spec.rope_type == "longrope" and pos_BT.numel():
+            orig = self.spec.original_max_position_embeddings
+            if seq_len is not None:
+                inv = self.long_inv_freq if seq_len > orig else self.inv_freq
+            else:
+                inv = torch.where(pos_BT.max() + 1 > orig, self.long_inv_freq, self.inv_freq)
         freqs = pos_BT[..., None].float() * inv.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
