@@ -20,7 +20,7 @@ import torch.distributed as dist
 from moebit.comm import collectives
 from moebit.hf.config import FAMILIES, HFDecoderConfig, read_config
 from moebit.hf.weights import LoadReport, load_hf_weights, write_shards
-from moebit.models.hf_decoder import HFDecoder, rope_inv_freq
+from moebit.models.hf_decoder import HFDecoder
 from moebit.moe import expert_parallel_groups
 
 __all__ = ["FAMILIES", "HFDecoder", "HFDecoderConfig", "LoadReport", "build_empty",
@@ -49,8 +49,7 @@ def build_empty(cfg: HFDecoderConfig, dtype: torch.dtype = torch.float32) -> HFD
     groups = expert_parallel_groups(cfg.ep_size) if cfg.is_moe and cfg.ep_size > 1 else None
     with torch.device("meta"):
         model = HFDecoder(cfg, ep_groups=groups)
-    model.to_empty(device="cpu")
-    model.inv_freq = rope_inv_freq(cfg)
+    model.to_empty(device="cpu")  # the rotary frequencies are recomputed here, in float32
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.wte.weight
     return model.to(dtype)

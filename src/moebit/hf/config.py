@@ -20,13 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebit.models.rope import ROPE_TYPES, RopeSpec, parse_rope
+
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo")
 # dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
 # the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
 # families whose norms follow each sublayer (OLMo2's reordered norms), not precede it
 _POST_NORM = ("olmo2", "flex_olmo")
-ROPE_TYPES = ("default", "linear")
+# transformers' rope_theta when a config.json gives none (its `default_theta`)
+_DEFAULT_THETA = {"mixtral": 1e6, "flex_olmo": 5e5}
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
 _UNSUPPORTED = {
@@ -58,6 +61,7 @@ class HFDecoderConfig:
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
+    rope_params: dict[str, Any] = field(default_factory=dict)  # the type's other parameters
     max_position_embeddings: int = 4096
     block_size: int = 0  # sequence length moebit trains / decodes at; 0: max_position_embeddings
     tie_word_embeddings: bool = False
@@ -96,6 +100,11 @@ class HFDecoderConfig:
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
 
+    @property
+    def rope(self) -> RopeSpec:
+        return RopeSpec(self.rope_type, self.rope_theta, self.rope_factor, self.head_dim,
+                        self.max_position_embeddings, dict(self.rope_params))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -131,16 +140,17 @@ class HFDecoderConfig:
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
-        rope_theta, rope_type, rope_factor = _rope(hf)
+        head_dim = hf.get("head_dim") or hidden // heads
+        rope = parse_rope(hf, head_dim, _DEFAULT_THETA.get(mt, 10000.0))
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=g.need("intermediate_size"), **_moe_fields(g, n_layers),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta, rope_type=rope_type, rope_factor=rope_factor,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=rope.theta, rope_type=rope.rope_type, rope_factor=rope.factor,
+            rope_params=rope.params, max_position_embeddings=rope.max_position_embeddings,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             **_attention_fields(hf, mt),
             clip_qkv=hf.get("clip_qkv"), attention_dropout=float(hf.get("attention_dropout", 0.0)),
@@ -220,20 +230,6 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
                          "(set it to 0)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, str, float]:
-    """(theta, type, factor) from 5.x ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rtype = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rtype not in ROPE_TYPES:
-        raise ValueError(f"RoPE scaling rope_type {rtype!r} is not supported; supported: {ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope_parameters.partial_rotary_factor != 1 is not supported")
-    factor = float(params.get("factor", scaling.get("factor", 1.0))) if rtype == "linear" else 1.0
-    return float(theta), rtype, factor
 
 
 def _moe_layers(hf: dict[str, Any], n_layers: int, num_experts: int) -> list[int]:

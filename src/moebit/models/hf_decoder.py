@@ -28,6 +28,7 @@ from torch import nn
 from moebit.hf.config import HFDecoderConfig
 from moebit.models.interface import ModelOutput
 from moebit.models.kv_cache import KVCache
+from moebit.models.rope import RotaryEmbedding
 from moebit.moe import GatedMLP, MoE, MoEConfig, expert_parallel_groups, is_expert_param
 
 
@@ -43,13 +44,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rope_inv_freq(cfg: HFDecoderConfig) -> torch.Tensor:
-    """Rotary frequencies [head_dim / 2]; "linear" scaling divides them by its factor."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    return inv / cfg.rope_factor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +208,7 @@ class HFDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
         std = float(cfg.hf.get("initializer_range", 0.02))
         for name, p in self.named_parameters():
             if p.dim() >= 2 and not is_expert_param(p):
@@ -222,22 +216,20 @@ class HFDecoder(nn.Module):
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
 
-    def _cos_sin(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos_BT[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+    def _cos_sin(self, pos_BT: torch.Tensor,
+                 seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(pos_BT, seq_len)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, logits_to_keep: int = 0) -> ModelOutput:
         """As ``GPT.forward``: logits, loss (targets), transformers' aux loss and each MoE
         layer's output (``router_logits`` on each; none while decoding with a cache)."""
         b, t = input_ids.shape
-        limit = self.config.max_position_embeddings - 1
         if cache is None:
             pos = torch.arange(t, device=input_ids.device)[None].expand(b, t)
-        else:
-            pos = cache.positions(t, limit=limit)
-        cos_sin = self._cos_sin(pos)
+            cos_sin = self._cos_sin(pos, seq_len=t)
+        else:  # unclamped, as transformers: dynamic NTK rescales past max_position_embeddings
+            cos_sin = self._cos_sin(cache.positions(t))
         x = self.wte(input_ids)
         outs: list[HFFeedForwardOutput] = []
         for block in self.blocks:
