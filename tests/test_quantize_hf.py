@@ -95,3 +95,20 @@ def test_generate_cli_quantizes_hf_folder(folder: Path, tmp_path: Path) -> None:
     assert r.stdout.startswith("def ")
     summary = json.loads(r.stderr.strip().splitlines()[-1])
     assert summary["quantize"] == "int8" and "2 MoE layers" in summary["int8"]
+
+
+def test_bench_hf_decode_reports_fp32_and_int8_rows(tmp_path: Path) -> None:
+    from moebit.bench.hf import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--experts", "4", "--d-model", "64", "--d-ffn", "96", "--layers", "2",
+                 "--heads", "4", "--reps", "1", "--decode-steps", "2", "--decode-batch", "1", "3",
+                 "--threads", "1", "--skip", "train", "--skip", "load", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for b in (1, 3):
+        for k in ("hf", "moebit_fp32", "moebit_int8"):
+            assert res[f"{k}_decode_ms_b{b}"] > 0
+        assert res[f"moebit_int8_speedup_b{b}"] == pytest.approx(
+            res[f"hf_decode_ms_b{b}"] / res[f"moebit_int8_decode_ms_b{b}"], rel=0.02)
+    assert 0 < res["int8_logits_rel_diff"] < 0.05 and res["int8_argmax_agree"] > 0.5
+    assert "2 MoE layers" in res["int8_report"]
