@@ -144,3 +144,5 @@ def test_gated_gpt_quantizes_and_generates(kind: str) -> None:
     prompts = ["def ", "import os\n"]
     cached = generate(m, prompts, max_new_tokens=6, temperature=0)
     assert cached == generate(m, prompts, max_new_tokens=6, temperature=0, use_cache=False)
+    m.to(torch.bfloat16)  # --dtype bfloat16 after --quantize int8: scales are cast, kernels still run
+    assert len(generate(m, prompts[:1], max_new_tokens=4, temperature=0)[0]) > 0
