@@ -7,6 +7,8 @@ What is asserted, against the same model with float32 experts:
   (relative norm);
 - free-running greedy ids: >= 75% of the new ids equal position by position (a random
   tiny model has near-ties, and one flipped id changes every later one);
+- expert parallel (2 gloo ranks, each quantizing its own experts): the logits and greedy
+  ids of the one-process int8 model;
 - ``moebit generate HF_DIR --quantize int8`` runs and reports the int8 size reduction.
 """
 
@@ -24,6 +26,7 @@ import torch
 from moebit.generate import generate_tokens
 from moebit.hf import from_pretrained
 from moebit.quantize import Int8Experts, quantize_experts_
+from moebit.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,6 +86,27 @@ def test_hf_decoder_int8_close_to_float(folder: Path) -> None:
             agree += int((lq.argmax(-1) == torch.tensor(w)).sum())
             total += len(w)
     assert agree >= 0.9 * total, (agree, total)
+
+
+def _ep_int8_rank(rank: int, world: int, folder: str) -> dict:
+    torch.set_num_threads(1)
+    model = from_pretrained(folder, ep_size=world, rank=rank).eval()
+    quantize_experts_(model)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0] + PROMPTS[1]])).logits
+    return {"logits": logits,
+            "tokens": generate_tokens(model, PROMPTS, max_new_tokens=8, temperature=0).tokens}
+
+
+def test_int8_experts_under_expert_parallel_match_one_process(folder: Path) -> None:
+    single = from_pretrained(folder).eval()
+    quantize_experts_(single)
+    with torch.no_grad():
+        want = single(torch.tensor([PROMPTS[0] + PROMPTS[1]])).logits
+    tokens = generate_tokens(single, PROMPTS, max_new_tokens=8, temperature=0).tokens
+    for res in run_on_ranks(_ep_int8_rank, world=2, args=(str(folder),), timeout=240):
+        torch.testing.assert_close(res["logits"], want, atol=1e-4, rtol=0)
+        assert res["tokens"] == tokens
 
 
 def test_generate_cli_quantizes_hf_folder(folder: Path, tmp_path: Path) -> None:
