@@ -9,7 +9,10 @@ same weights. Then, interleaved rep by rep so that a busy host slows both alike:
 - one MoE block forward+backward, and the attention of one layer (the breakdown);
 - one ``torch.optim.AdamW(fused=True)`` step on each model's parameters;
 - decode latency per step: transformers ``generate`` with a static cache against
-  ``moebit.generate.generate_tokens`` (greedy, batch 1 and 16);
+  ``moebit.generate.generate_tokens`` with float32 experts and with int8 experts
+  (``moebit.quantize``), greedy, batch 1 and 16, with each one's speed-up; and how far int8
+  experts move the logits of a fixed prompt (max and relative difference, argmax and
+  greedy-id agreement);
 - loading a sharded checkpoint: one process against ep 2 (2 gloo ranks): time and the
   peak resident memory added by the load.
 
@@ -31,6 +34,7 @@ import torch
 
 from moebit.generate import generate_tokens
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config
+from moebit.quantize import quantize_experts_
 from moebit.testing import run_on_ranks
 
 
@@ -116,7 +120,9 @@ def _attention_and_optimizer(hf: Any, mb: Any, x: torch.Tensor, reps: int) -> di
     return out
 
 
-def _decode(hf: Any, mb: Any, batch: int, new: int, reps: int) -> dict[str, float]:
+def _decode(hf: Any, models: dict[str, Any], batch: int, new: int, reps: int) -> dict[str, float]:
+    """Per-step decode ms of transformers and each moebit model, interleaved rep by rep,
+    and each moebit model's speed-up over transformers (ratio > 1: moebit faster)."""
     ids = torch.randint(0, 256, (batch, 32), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
 
@@ -125,16 +131,51 @@ def _decode(hf: Any, mb: Any, batch: int, new: int, reps: int) -> dict[str, floa
                                          max_new_tokens=n, min_new_tokens=n,
                                          cache_implementation="static"))
 
-    hf_gen(2)
-    generate_tokens(mb, ids.tolist(), max_new_tokens=2, temperature=0)
-    hf_steps, mb_steps = [], []
-    for _ in range(reps):
-        hf_steps.append((hf_gen(new + 1) - hf_gen(1)) / new)
-        r = generate_tokens(mb, ids.tolist(), max_new_tokens=new + 1, temperature=0,
+    def mb_step(m: Any) -> float:
+        r = generate_tokens(m, ids.tolist(), max_new_tokens=new + 1, temperature=0,
                             batch_size=batch)
-        mb_steps.append(statistics.median(r.per_step_s))
-    return {f"hf_decode_ms_b{batch}": round(1e3 * statistics.median(hf_steps), 2),
-            f"moebit_decode_ms_b{batch}": round(1e3 * statistics.median(mb_steps), 2)}
+        return statistics.median(r.per_step_s)
+
+    hf_gen(2)
+    for m in models.values():
+        generate_tokens(m, ids.tolist(), max_new_tokens=2, temperature=0, batch_size=batch)
+    steps: dict[str, list[float]] = {"hf": [], **{k: [] for k in models}}
+    for _ in range(reps):
+        steps["hf"].append((hf_gen(new + 1) - hf_gen(1)) / new)
+        for k, m in models.items():
+            steps[k].append(mb_step(m))
+    med = {k: 1e3 * statistics.median(v) for k, v in steps.items()}
+    out = {f"{k}_decode_ms_b{batch}": round(v, 2) for k, v in med.items()}
+    out.update({f"{k}_speedup_b{batch}": round(med["hf"] / med[k], 2) for k in models})
+    return out
+
+
+def _int8_logit_diff(fp32: Any, int8: Any) -> dict[str, float]:
+    """How far int8 experts move the model: logits of one fixed 64-token prompt (every
+    position) and the greedy ids of 16 new tokens, int8 against fp32 experts."""
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
+    a, b = fp32(ids).logits.float(), int8(ids).logits.float()
+    prompt = ids[0, :32].tolist()
+    ga, gb = (generate_tokens(m, [prompt], max_new_tokens=16, temperature=0).tokens[0]
+              for m in (fp32, int8))
+    return {"int8_logits_max_abs_diff": round(float((a - b).abs().max()), 5),
+            "int8_logits_rel_diff": round(float((a - b).norm() / a.norm()), 5),
+            "int8_argmax_agree": round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4),
+            "int8_greedy_ids_equal": sum(x == y for x, y in zip(ga, gb, strict=True)) / len(ga)}
+
+
+def _decode_all(hf: Any, mb: Any, folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Decode rows for transformers, moebit fp32 and moebit int8 experts (same weights)."""
+    q = from_pretrained(folder).eval()
+    res: dict[str, Any] = {"int8_report": str(quantize_experts_(q))}
+    hf.eval()
+    mb.eval()
+    models = {"moebit_fp32": mb, "moebit_int8": q}
+    with torch.no_grad():
+        res.update(_int8_logit_diff(mb, q))
+        for b in args.decode_batch:
+            res.update(_decode(hf, models, b, args.decode_steps, args.reps))
+    return res
 
 
 def _load_rank(rank: int, world: int, folder: str) -> dict[str, float]:
@@ -169,6 +210,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16],
+                    help="batch sizes of the decode rows")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip", action="append", default=[], choices=("train", "decode", "load"))
     ap.add_argument("--json", help="also write the results to this file")
@@ -185,11 +228,7 @@ def main(argv: list[str]) -> int:
             hf.train()
             res.update(_train_parts(hf, mb, ids, args.reps))
         if "decode" not in args.skip:
-            hf.eval()
-            mb.eval()
-            with torch.no_grad():
-                for b in (1, 16):
-                    res.update(_decode(hf, mb, b, args.decode_steps, args.reps))
+            res.update(_decode_all(hf, mb, tmp, args))
         del hf, mb
         if "load" not in args.skip:
             res.update(_loading(Path(tmp)))

@@ -29,25 +29,25 @@ class DispatchPlan:
 def plan_dispatch(
     expert_SK: torch.Tensor,
     weight_SK: torch.Tensor,
-    kept_SK: torch.Tensor,
+    kept_SK: torch.Tensor | None,
     num_experts: int,
 ) -> DispatchPlan:
-    """Sort the kept pairs by expert (stable, so earlier tokens stay first in a block)."""
+    """Sort the kept pairs by expert (stable, so earlier tokens stay first in a block).
+
+    ``kept_SK`` None: every pair is kept (dropless decoding; skips a check and a host sync)."""
     s, k = expert_SK.shape
     expert_P = expert_SK.reshape(-1)  # token-major: pair index = s * k + j
-    kept_P = kept_SK.reshape(-1)
-    if bool(kept_P.all()):
-        pair_N = torch.argsort(expert_P, stable=True)
-        expert_N = expert_P[pair_N]
+    if kept_SK is None or bool(kept_SK.all()):
+        expert_N, pair_N = torch.sort(expert_P, stable=True)  # one op: order and sorted ids
     else:
-        sel_N = kept_P.nonzero().squeeze(1)
+        sel_N = kept_SK.reshape(-1).nonzero().squeeze(1)
         order_N = torch.argsort(expert_P[sel_N], stable=True)
         pair_N = sel_N[order_N]
         expert_N = expert_P[pair_N]
     counts_E = torch.bincount(expert_N, minlength=num_experts)
     return DispatchPlan(
         token_N=torch.div(pair_N, k, rounding_mode="floor"),
-        weight_N=weight_SK.reshape(-1)[pair_N],
+        weight_N=weight_SK.reshape(-1).index_select(0, pair_N),
         counts_E=counts_E,
         counts=counts_E.tolist(),
         num_tokens=s,

@@ -16,6 +16,7 @@ Token Selection).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -246,7 +247,11 @@ class TopKGate(nn.Module):
         sum to 1 when ``norm_topk_prob`` (k > 1), then times routed_scaling_factor.
         """
         c = self.config
-        with torch.autocast(device_type=x_SD.device.type, enabled=False):
+        dev = x_SD.device.type
+        # entering autocast(enabled=False) costs more than a decode step's router matmul
+        off = torch.autocast(device_type=dev, enabled=False) if torch.is_autocast_enabled(dev) \
+            else nullcontext()
+        with off:
             x32_SD = x_SD.float()
             if self.training and c.noise == "jitter":
                 x32_SD = x32_SD * torch.empty_like(x32_SD).uniform_(0.99, 1.01)

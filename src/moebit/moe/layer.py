@@ -114,8 +114,7 @@ class MoE(nn.Module):
         self._check(x_SD)
         x2_SD = x_SD.reshape(-1, self.d_model)
         _, _, expert_SK, weight_SK = self.gate.choose(x2_SD)
-        kept_SK = torch.ones_like(expert_SK, dtype=torch.bool)
-        plan = plan_dispatch(expert_SK, weight_SK, kept_SK, self.config.num_experts)
+        plan = plan_dispatch(expert_SK, weight_SK, None, self.config.num_experts)  # all kept
         return self._combine(x2_SD, plan).view(x_SD.shape)
 
     def _combine(self, x_SD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
