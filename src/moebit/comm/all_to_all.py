@@ -169,8 +169,11 @@ class Route:
 
 
 def make_route(send: list[int], recv: list[int], group: dist.ProcessGroup | None,
-               hierarchy: Hierarchy | None = None) -> Route:
-    """Check the splits; for a hierarchical route, gather every rank's splits (tiny)."""
+               hierarchy: Hierarchy | None = None,
+               matrix: torch.Tensor | None = None) -> Route:
+    """Check the splits. A hierarchical route needs every rank's send splits
+    (``matrix``, [source][destination]): pass it when already known (``dispatch_route``
+    has it), otherwise it is gathered here (one tiny collective)."""
     n = collectives.world_size(group)
     if len(send) != n or len(recv) != n:
         raise ValueError(f"split sizes {send} / {recv} do not match the group size {n}")
@@ -179,13 +182,58 @@ def make_route(send: list[int], recv: list[int], group: dist.ProcessGroup | None
     if hierarchy.nodes * hierarchy.local != n:
         raise ValueError(f"hierarchy {hierarchy.nodes} nodes x {hierarchy.local} does not "
                          f"match the expert-parallel group of {n} ranks")
-    mine = torch.tensor(send, dtype=torch.int64)
-    every = torch.empty(n * n, dtype=torch.int64)
+    if matrix is None:
+        every = torch.empty(n * n, dtype=torch.int64)
+        _gather_counts(every, torch.tensor(send, dtype=torch.int64), group)
+        matrix = every.view(n, n)
+    me = collectives.rank(group)
+    if tuple(matrix.shape) != (n, n) or matrix[me].tolist() != list(send) \
+            or matrix[:, me].tolist() != list(recv):
+        raise ValueError(f"split matrix {matrix.tolist()} does not hold this rank's ({me}) "
+                         f"send splits {send} and receive splits {recv}")
+    return Route(list(send), list(recv), group, hierarchy, matrix)
+
+
+def _gather_counts(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     t0 = time.perf_counter()
-    collectives.all_gather_flat(every, mine, group=group)
-    moved = 8 * n * (n - 1)
+    collectives.all_gather_flat(out, mine, group=group)
+    n = collectives.world_size(group)
+    moved = mine.numel() * mine.element_size() * (n - 1)
     stats.record(OP_FLAT, moved, moved, time.perf_counter() - t0)
-    return Route(list(send), list(recv), group, hierarchy, every.view(n, n))
+
+
+def dispatch_route(counts_E: torch.Tensor, group: dist.ProcessGroup | None,
+                   hierarchy: Hierarchy | None = None) -> tuple[Route, torch.Tensor]:
+    """The route of rows sorted by destination slot, and what arrives: [source rank, slot].
+
+    ``counts_E`` holds this rank's rows per slot (an expert), ``E = ranks * slots_per_rank``,
+    rank r owning slots ``[r * E_local, (r + 1) * E_local)``. Exactly one tiny collective
+    learns the receive counts: an all_to_all of the counts for a flat route; for a
+    hierarchical one an all-gather of every rank's counts, which also gives the split
+    matrix the two stages need (no second exchange of split sizes).
+    """
+    n = collectives.world_size(group)
+    if counts_E.numel() % n:
+        raise ValueError(f"counts_E has {counts_E.numel()} slots, not a multiple of the "
+                         f"group size {n}")
+    counts = counts_E.detach().to(torch.int64).view(n, -1)  # on its device (NCCL needs it)
+    send = counts.sum(1).tolist()
+    if n == 1:
+        return Route(send, send, group), counts.cpu()
+    if hierarchy is None:
+        got = torch.empty_like(counts)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(got, counts, group=group)
+        moved = counts[0].numel() * 8 * (n - 1)
+        stats.record(OP_FLAT, moved, moved, time.perf_counter() - t0)
+        got = got.cpu()
+        return make_route(send, got.sum(1).tolist(), group), got
+    every = counts.new_empty(n * counts.numel())
+    _gather_counts(every, counts.reshape(-1), group)
+    every_RDE = every.cpu().view(n, n, -1)  # [source, destination, slot]
+    got = every_RDE[:, collectives.rank(group)].contiguous()
+    matrix = every_RDE.sum(2)
+    return make_route(send, got.sum(1).tolist(), group, hierarchy, matrix), got
 
 
 def _exchange(p: torch.Tensor, send: list[int], recv: list[int],
