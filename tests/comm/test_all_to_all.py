@@ -192,3 +192,35 @@ def _overlap_body(rank: int, world: int) -> dict[str, bool]:
 def test_chunked_overlap_equals_one_exchange() -> None:
     for res in run_on_ranks(_overlap_body, world=2, timeout=TIMEOUT):
         assert all(res.values()), res
+
+
+def _route_body(rank: int, world: int) -> dict[str, object]:
+    groups = expert_parallel_groups(4, hierarchical=True, local_size=2)
+    counts = torch.tensor([[3, 0, 2, 5, 1, 0, 0, 4], [1, 4, 0, 2, 2, 2, 0, 0],
+                           [0, 0, 6, 1, 0, 3, 1, 1], [2, 3, 1, 0, 0, 0, 5, 2]])
+    out: dict[str, object] = {}
+    for name, hierarchy in (("flat", None), ("hier", groups.hierarchy)):
+        stats.reset()
+        route, got = a2a.dispatch_route(counts[rank], None, hierarchy)
+        out[name] = (route.send, route.recv, got.tolist(), stats.snapshot().ops[a2a.OP_FLAT].calls,
+                     None if route.matrix is None else route.matrix.tolist())
+    try:
+        a2a.make_route(out["flat"][0], out["flat"][1], None, groups.hierarchy,
+                       matrix=torch.zeros(4, 4, dtype=torch.int64))
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_dispatch_route_learns_the_splits_in_one_collective() -> None:
+    counts = torch.tensor([[3, 0, 2, 5, 1, 0, 0, 4], [1, 4, 0, 2, 2, 2, 0, 0],
+                           [0, 0, 6, 1, 0, 3, 1, 1], [2, 3, 1, 0, 0, 0, 5, 2]])
+    matrix = counts.view(4, 4, 2).sum(2)  # [source][destination] rows
+    for rank, res in enumerate(run_on_ranks(_route_body, world=4, timeout=TIMEOUT)):
+        want_got = counts.view(4, 4, 2)[:, rank].tolist()
+        for name in ("flat", "hier"):
+            send, recv, got, calls, _ = res[name]
+            assert send == matrix[rank].tolist() and recv == matrix[:, rank].tolist(), name
+            assert got == want_got and calls == 1, (name, calls)
+        assert res["flat"][4] is None and res["hier"][4] == matrix.tolist()
+        assert "split matrix" in res["bad"] and f"({rank})" in res["bad"]

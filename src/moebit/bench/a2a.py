@@ -2,12 +2,19 @@
 
 Inside training, the time a rank spends in a blocking all-to-all is the wire time plus
 the time it waits for the slowest peer to arrive; on a loaded host the wait dominates
-and hides what fewer bytes buy. Here every timed exchange starts right after a barrier,
-so what is measured is the exchange itself (encode, transfer, decode). One "step" is what
-a training step of ``--layers`` MoE blocks sends: per block, dispatch and combine forward
-and their two gradients backward, rows of ``--d-model`` values for each of the
-``--tokens`` x k routed pairs (uniform routing over ``--experts`` experts). Formats are
-interleaved within each repetition; medians are reported.
+and hides what fewer bytes buy. Here every timed collective starts right after a barrier,
+so what is measured is the exchange itself. One "step" is what a training step of
+``--layers`` MoE blocks sends, through the functions training calls: per block, the split
+sizes (``dispatch_route``: one tiny collective), then dispatch and combine forward and
+their two gradients backward (``exchange_rows``), rows of ``--d-model`` values for each
+of the ``--tokens`` x k routed pairs (uniform routing over ``--experts`` experts).
+
+Each exchange's time is split into ``codec`` (this rank's encode and decode) and ``wire``
+(inside the collective: the transfer plus waiting for peers' encode), next to the wire
+floor, the bytes on the shaped link divided by its rate (all ranks share one shaped
+loopback; with ``--two-nodes``, the busier direction of the veth between the nodes).
+Times are means over the ranks; formats are interleaved within each repetition; medians
+over repetitions are reported.
 
     moebit bench a2a --link 1gbit --nproc 4 --dtypes fp32,bf16,int8 --tokens 512 --d-model 256
 """
@@ -21,38 +28,82 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moebit.bench.netns import run_in_shaped_netns
+from moebit.bench.netns import parse_rate, run_in_shaped_netns
 from moebit.bench.twonode import run_two_nodes
-from moebit.comm import collectives
-from moebit.comm.all_to_all import A2A_DTYPES, Hierarchy, encode, exchange_rows, make_route
+from moebit.comm import collectives, stats
+from moebit.comm.all_to_all import (
+    A2A_DTYPES,
+    OP_FLAT,
+    OP_INTER,
+    OP_INTRA,
+    Hierarchy,
+    Route,
+    dispatch_route,
+    encode,
+    exchange_rows,
+)
 from moebit.moe.parallel import expert_parallel_groups
 
 ENV = "MOEBIT_BENCH_A2A_ARGS"
+PHASES = ("splits", "codec", "wire")  # seconds per step of each, then their sum
 
 
 def _name(fmt: str, hierarchy: Hierarchy | None) -> str:
     return fmt if hierarchy is None else f"{fmt} hierarchical"
 
 
-def _step(x: torch.Tensor, send: list[int], recv: list[int], fmt: str, layers: int,
-          hierarchy: Hierarchy | None = None) -> float:
-    """Seconds of one step's exchanges, each timed from a common start (after a barrier)."""
-    route = make_route(send, recv, None, hierarchy)
-    back = route.reversed()
-    spent = 0.0
+def _wire_seconds() -> float:
+    ops = stats.snapshot().ops
+    return sum(ops[o].seconds for o in (OP_FLAT, OP_INTRA, OP_INTER) if o in ops)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``fn()`` after a barrier: its result, its seconds, and the seconds inside collectives."""
+    before = _wire_seconds()
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    spent = time.perf_counter() - t0
+    return out, spent, _wire_seconds() - before
+
+
+def _step(x: torch.Tensor, counts_E: torch.Tensor, fmt: str, layers: int,
+          hierarchy: Hierarchy | None) -> list[float]:
+    """[splits, codec, wire] seconds of one step's exchanges, each after a barrier."""
+    spent = [0.0, 0.0, 0.0]
     for _ in range(layers):
-        for r in (route, back, route, back):  # dispatch, combine, their gradients
-            rows = x if r is route else x.new_empty(sum(recv), x.shape[1]).normal_()
-            dist.barrier()
-            t0 = time.perf_counter()
-            exchange_rows(rows, r, fmt)
-            spent += time.perf_counter() - t0
+        (route, _), s, _ = _timed(lambda: dispatch_route(counts_E, None, hierarchy))
+        spent[0] += s
+        back = route.reversed()
+        y = x.new_empty(sum(route.recv), x.shape[1]).normal_()  # expert outputs, gradients
+        for r, rows in ((route, x), (back, y), (route, x), (back, y)):
+            _, s, w = _timed(lambda r=r, rows=rows: exchange_rows(rows, r, fmt))
+            spent[1] += s - w
+            spent[2] += w
     return spent
+
+
+def _link_bytes(route: Route, row: int, layers: int, two_nodes: bool) -> torch.Tensor:
+    """This rank's bytes per step on the shaped link: [all off-rank bytes, to node 1 from
+    node 0, to node 0 from node 1] (only the first, or only the last two, matter)."""
+    me, n = collectives.rank(), len(route.send)
+    off = 2 * layers * row * (sum(route.send) - route.send[me] + sum(route.recv) - route.recv[me])
+    out = torch.tensor([float(off), 0.0, 0.0], dtype=torch.float64)
+    if two_nodes:  # rows to the other node: dispatch and gradients of combine go out on
+        # the route, combine and gradients of dispatch on the reverse (as many as arrive)
+        half = n // 2
+        mine = me // half
+        remote = [r for r in range(n) if r // half != mine]
+        out[1 + mine] += 2 * layers * row * sum(route.send[r] for r in remote)
+        out[2 - mine] += 2 * layers * row * sum(route.recv[r] for r in remote)
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -60,32 +111,54 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1000 + info.rank)
     pairs = args.tokens * args.k
-    expert = torch.randint(0, args.experts, (pairs,), generator=g)
-    counts = torch.bincount(expert, minlength=args.experts)
-    send = counts.view(info.world_size, -1).sum(1).tolist()
-    every = torch.empty(info.world_size * info.world_size, dtype=torch.int64)
-    collectives.all_gather_flat(every, torch.tensor(send), None)
-    recv = every.view(info.world_size, -1)[:, info.rank].tolist()
+    counts_E = torch.bincount(torch.randint(0, args.experts, (pairs,), generator=g),
+                              minlength=args.experts)
     x = torch.randn(pairs, args.d_model, generator=g)
     fmts = args.dtypes.split(",")
     cases = [(f, None) for f in fmts]
     if args.two_nodes:  # flat and hierarchical, interleaved
         hier = expert_parallel_groups(info.world_size, hierarchical=True).hierarchy
         cases += [(f, hier) for f in fmts]
-    times: dict[str, list[float]] = {_name(f, h): [] for f, h in cases}
+    times = {_name(f, h): [] for f, h in cases}
     for rep in range(args.warmup + args.reps):
         for f, h in cases:
-            s = _step(x, send, recv, f, args.layers, h)
+            s = _step(x, counts_E, f, args.layers, h)
             if rep >= args.warmup:
                 times[_name(f, h)].append(s)
+    route, _ = dispatch_route(counts_E, None)
+    link = {f: _link_bytes(route, encode(x[:1], f).numel() * encode(x[:1], f).element_size(),
+                           args.layers, args.two_nodes) for f in fmts}
+    own = {f: float(t[0]) for f, t in link.items()}  # this rank's off-rank bytes
+    for t in link.values():
+        dist.all_reduce(t)
+    mine = torch.tensor([times[_name(f, h)] for f, h in cases], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(every, mine)  # [rank][case][rep][phase]
     if info.rank == 0:
-        row_bytes = {f: encode(x[:1], f).numel() * encode(x[:1], f).element_size() for f in fmts}
-        off_rank = 2 * args.layers * (sum(send) - send[0] + sum(recv) - recv[0])
-        out = {_name(f, h): {"s_per_step": statistics.median(times[_name(f, h)]),
-                             "MB_sent_per_step_rank0": off_rank * row_bytes[f] / 1e6}
-               for f, h in cases}
+        out = _summary(args, cases, torch.stack(every), link, own)
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=2))
     dist.destroy_process_group()
+
+
+def _summary(args: argparse.Namespace, cases: list[tuple[str, Hierarchy | None]],
+             t_RCPX: torch.Tensor, link: dict[str, torch.Tensor],
+             own: dict[str, float]) -> dict[str, dict[str, float | None]]:
+    """Per case: medians over repetitions of the mean over ranks, per phase and in all."""
+    rate = parse_rate(args.link) / 8 if args.link else None  # bytes per second
+    out: dict[str, dict[str, float | None]] = {}
+    for c, (f, h) in enumerate(cases):
+        t = t_RCPX[:, c]  # [rank, rep, phase]
+        total = t.sum(2)
+        on_link = float(link[f][1:].max() if args.two_nodes else link[f][0])
+        row = {"s_per_step": statistics.median(total.mean(0).tolist()),
+               "s_per_step_slowest_rank": statistics.median(total.max(0).values.tolist())}
+        row |= {f"{p}_s_per_step": statistics.median(t[:, :, i].mean(0).tolist())
+                for i, p in enumerate(PHASES)}
+        row["MB_sent_per_step_rank0"] = own[f] / 1e6
+        row["MB_on_link_per_step"] = on_link / 1e6
+        row["floor_s_per_step"] = on_link / rate if rate else None
+        out[_name(f, h)] = row
+    return out
 
 
 def _node_cmd(per_node: int, addr: str) -> list[str]:
@@ -142,16 +215,27 @@ def main(argv: list[str]) -> int:
         proc = subprocess.run(cmd, env={**os.environ, **env}, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"moebit bench a2a: the ranks failed ({proc.returncode})")
-    res = json.loads(Path(args.json).read_text())["results"]
-    first = next(iter(res.values()))
-    print(f"link: {args.link or 'loopback (unshaped)'}; {args.nproc} ranks, {args.tokens} tokens "
-          f"x k={args.k}, d {args.d_model}, E {args.experts}, {args.layers} MoE blocks per step")
-    print(f"{'format':<18} MB sent/step (rank 0)  a2a s/step  vs first")
-    for f, r in res.items():
-        print(f"{f:<18} {r['MB_sent_per_step_rank0']:<22.2f} {r['s_per_step']:<11.4f} "
-              f"{first['s_per_step'] / r['s_per_step']:.2f}x")
+    _print_table(args, json.loads(Path(args.json).read_text())["results"])
     return 0
 
+
+def _print_table(args: argparse.Namespace, res: dict[str, dict[str, Any]]) -> None:
+    first = next(iter(res.values()))
+    print(f"link: {args.link or 'loopback (unshaped)'}; {args.nproc} ranks, {args.tokens} tokens "
+          f"x k={args.k}, d {args.d_model}, E {args.experts}, {args.layers} MoE blocks per step; "
+          "seconds per step, mean over ranks, median of reps")
+    print(f"{'format':<18} {'MB/step':>8} {'on link':>8} {'floor s':>8} {'a2a s':>8} "
+          f"{'splits':>8} {'codec':>8} {'wire':>8} {'vs first':>8} {'x floor':>8}")
+    for f, r in res.items():
+        floor = r["floor_s_per_step"]
+        print(f"{f:<18} {r['MB_sent_per_step_rank0']:>8.2f} {r['MB_on_link_per_step']:>8.2f} "
+              f"{floor if floor is not None else float('nan'):>8.4f} {r['s_per_step']:>8.4f} "
+              f"{r['splits_s_per_step']:>8.4f} {r['codec_s_per_step']:>8.4f} "
+              f"{r['wire_s_per_step']:>8.4f} {first['s_per_step'] / r['s_per_step']:>7.2f}x "
+              f"{r['s_per_step'] / floor if floor else float('nan'):>7.2f}x")
+    print("MB/step: sent by rank 0; on link: all ranks' bytes on the shaped link (two nodes: "
+          "its busier direction); floor: on link / rate; codec: encode + decode on this rank; "
+          "wire: inside the collectives (transfer and waiting for peers)")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

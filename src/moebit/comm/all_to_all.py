@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moebit.comm import collectives, stats
+from moebit.comm import _rowquant_c, collectives, stats
 
 A2A_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8_e4m3")
 OP_FLAT = "moe.all_to_all"
@@ -82,31 +82,58 @@ _fp8_probe: dict[str, str] = {}
 
 
 def encode(x_ND: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The rows as sent: the same rows, possibly narrower, possibly as bytes with scales."""
+    """The rows as sent: the same rows, possibly narrower, possibly as bytes with scales.
+
+    int8 and fp8 rows are one uint8 buffer, [N, d + 4]: the d values, then the row's
+    float32 scale, so that payload and scales travel in one message with the rows' splits.
+    """
     if fmt == "auto" or (fmt in _CASTS and _CASTS[fmt] == x_ND.dtype):
         return x_ND.contiguous()
     if fmt in _CASTS:
         return x_ND.to(_CASTS[fmt]).contiguous()
+    x = x_ND.reshape(x_ND.shape[0], -1)
+    if fmt == "int8":
+        native = _rowquant_c.encode_int8(x)
+        if native is not None:
+            return native
+    return _encode_scaled(x, fmt)
+
+
+def _encode_scaled(x_ND: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The torch path of the scaled formats (the native int8 kernel gives identical bytes).
+
+    Written straight into the one output buffer: no ``cat``, no clamp (|x| / scale never
+    exceeds the format's top), and a row with NaN or inf gets a non-finite scale and zero
+    values, so that it decodes to NaN instead of hiding the fault.
+    """
+    n, d = x_ND.shape
     xf = x_ND.float()
     top = _INT8_MAX if fmt == "int8" else _FP8_MAX
-    amax = xf.abs().amax(1, keepdim=True) if xf.shape[0] else xf.new_zeros(0, 1)
-    scale_N1 = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    scaled = xf / scale_N1
-    if fmt == "int8":
-        q = scaled.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    amax = xf.abs().amax(1, keepdim=True) if n else xf.new_zeros(0, 1)
+    scale_N1 = torch.where(amax == 0, 1.0, amax / top)
+    scaled = xf * scale_N1.reciprocal()
+    out = torch.empty(n, d + 4, dtype=torch.uint8, device=x_ND.device)
+    if fmt == "int8":  # NaN has no int8 value: such a row is all zeros with a NaN scale
+        out[:, :d].view(torch.int8).copy_(scaled.nan_to_num_(0.0).round_())
     else:
-        q = scaled.to(torch.float8_e4m3fn)
-    return torch.cat([q.view(torch.uint8), scale_N1.view(torch.uint8)], 1)
+        out[:, :d].view(torch.float8_e4m3fn).copy_(scaled)
+    out[:, d:].copy_(scale_N1.view(torch.uint8))
+    return out
 
 
 def decode(p_NB: torch.Tensor, fmt: str, dtype: torch.dtype, d: int) -> torch.Tensor:
     """Rows of ``dtype`` back from what ``encode`` sent (``d`` values per row)."""
     if fmt == "auto" or fmt in _CASTS:
         return p_NB if p_NB.dtype == dtype else p_NB.to(dtype)
-    q_raw = p_NB[:, :d].contiguous()
-    q = q_raw.view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn).float()
+    if fmt == "int8":
+        native = _rowquant_c.decode_int8(p_NB, dtype, d)
+        if native is not None:
+            return native
+    q = p_NB[:, :d].view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     scale_N1 = p_NB[:, d:].contiguous().view(torch.float32)
-    return (q * scale_N1).to(dtype)
+    if fmt != "int8":
+        q = q.float()  # float8 times float32 has no kernel; int8 promotes in the multiply
+    return torch.mul(q, scale_N1).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -142,8 +169,11 @@ class Route:
 
 
 def make_route(send: list[int], recv: list[int], group: dist.ProcessGroup | None,
-               hierarchy: Hierarchy | None = None) -> Route:
-    """Check the splits; for a hierarchical route, gather every rank's splits (tiny)."""
+               hierarchy: Hierarchy | None = None,
+               matrix: torch.Tensor | None = None) -> Route:
+    """Check the splits. A hierarchical route needs every rank's send splits
+    (``matrix``, [source][destination]): pass it when already known (``dispatch_route``
+    has it), otherwise it is gathered here (one tiny collective)."""
     n = collectives.world_size(group)
     if len(send) != n or len(recv) != n:
         raise ValueError(f"split sizes {send} / {recv} do not match the group size {n}")
@@ -152,13 +182,58 @@ def make_route(send: list[int], recv: list[int], group: dist.ProcessGroup | None
     if hierarchy.nodes * hierarchy.local != n:
         raise ValueError(f"hierarchy {hierarchy.nodes} nodes x {hierarchy.local} does not "
                          f"match the expert-parallel group of {n} ranks")
-    mine = torch.tensor(send, dtype=torch.int64)
-    every = torch.empty(n * n, dtype=torch.int64)
+    if matrix is None:
+        every = torch.empty(n * n, dtype=torch.int64)
+        _gather_counts(every, torch.tensor(send, dtype=torch.int64), group)
+        matrix = every.view(n, n)
+    me = collectives.rank(group)
+    if tuple(matrix.shape) != (n, n) or matrix[me].tolist() != list(send) \
+            or matrix[:, me].tolist() != list(recv):
+        raise ValueError(f"split matrix {matrix.tolist()} does not hold this rank's ({me}) "
+                         f"send splits {send} and receive splits {recv}")
+    return Route(list(send), list(recv), group, hierarchy, matrix)
+
+
+def _gather_counts(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     t0 = time.perf_counter()
-    collectives.all_gather_flat(every, mine, group=group)
-    moved = 8 * n * (n - 1)
+    collectives.all_gather_flat(out, mine, group=group)
+    n = collectives.world_size(group)
+    moved = mine.numel() * mine.element_size() * (n - 1)
     stats.record(OP_FLAT, moved, moved, time.perf_counter() - t0)
-    return Route(list(send), list(recv), group, hierarchy, every.view(n, n))
+
+
+def dispatch_route(counts_E: torch.Tensor, group: dist.ProcessGroup | None,
+                   hierarchy: Hierarchy | None = None) -> tuple[Route, torch.Tensor]:
+    """The route of rows sorted by destination slot, and what arrives: [source rank, slot].
+
+    ``counts_E`` holds this rank's rows per slot (an expert), ``E = ranks * slots_per_rank``,
+    rank r owning slots ``[r * E_local, (r + 1) * E_local)``. Exactly one tiny collective
+    learns the receive counts: an all_to_all of the counts for a flat route; for a
+    hierarchical one an all-gather of every rank's counts, which also gives the split
+    matrix the two stages need (no second exchange of split sizes).
+    """
+    n = collectives.world_size(group)
+    if counts_E.numel() % n:
+        raise ValueError(f"counts_E has {counts_E.numel()} slots, not a multiple of the "
+                         f"group size {n}")
+    counts = counts_E.detach().to(torch.int64).view(n, -1)  # on its device (NCCL needs it)
+    send = counts.sum(1).tolist()
+    if n == 1:
+        return Route(send, send, group), counts.cpu()
+    if hierarchy is None:
+        got = torch.empty_like(counts)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(got, counts, group=group)
+        moved = counts[0].numel() * 8 * (n - 1)
+        stats.record(OP_FLAT, moved, moved, time.perf_counter() - t0)
+        got = got.cpu()
+        return make_route(send, got.sum(1).tolist(), group), got
+    every = counts.new_empty(n * counts.numel())
+    _gather_counts(every, counts.reshape(-1), group)
+    every_RDE = every.cpu().view(n, n, -1)  # [source, destination, slot]
+    got = every_RDE[:, collectives.rank(group)].contiguous()
+    matrix = every_RDE.sum(2)
+    return make_route(send, got.sum(1).tolist(), group, hierarchy, matrix), got
 
 
 def _exchange(p: torch.Tensor, send: list[int], recv: list[int],

@@ -30,9 +30,8 @@ from moebit.comm import collectives
 from moebit.comm.all_to_all import (
     OP_FLAT,
     Hierarchy,
-    Route,
     all_to_all_rows,
-    exchange_rows,
+    dispatch_route,
     hierarchy_groups,
     make_route,
 )
@@ -113,18 +112,6 @@ def all_to_all(
     return all_to_all_rows(x_ND, make_route(send, recv, group, hierarchy), fmt, grad_fmt)
 
 
-def exchange_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Tell each rank how many rows it will receive per local expert: [ep, E_local].
-
-    Row r of the result holds what rank r sends to each of this rank's experts.
-    """
-    ep = collectives.world_size(group)
-    if ep == 1:
-        return counts_E.view(1, -1)
-    even = [counts_E.numel() // ep] * ep
-    return exchange_rows(counts_E, Route(even, even, group)).view(ep, -1)
-
-
 def expert_parallel_apply(
     x_ND: torch.Tensor,
     counts_E: torch.Tensor,
@@ -140,11 +127,7 @@ def expert_parallel_apply(
     rows per expert; the result has the same rows in the same order. Dispatch and combine
     send the rows in ``fmt`` and their gradients in ``grad_fmt``.
     """
-    ep = collectives.world_size(group)
-    recv_RE = exchange_counts(counts_E, group)  # [source rank, local expert]
-    send = counts_E.view(ep, -1).sum(1).tolist()
-    recv = recv_RE.sum(1).tolist()
-    route = make_route(send, recv, group, hierarchy)
+    route, recv_RE = dispatch_route(counts_E, group, hierarchy)  # [source rank, local expert]
     x_recv = all_to_all_rows(x_ND, route, fmt, grad_fmt)
     # Arrived rank-major ([r][e]); the experts need expert-major blocks ([e][r]).
     ranks, local = recv_RE.shape
