@@ -118,3 +118,10 @@ def test_existing_run_is_not_overwritten(tmp_path: Path):
     cfg, _ = parse_train_args(["--run-dir", str(tmp_path)])
     with pytest.raises(UsageError, match="already holds a run"):
         prepare_run_dir(cfg)
+
+
+def test_auto_freeze_is_refused_before_launch_for_optimizers_without_the_rule():
+    for name in ("zero_one_adam", "onebit_lamb"):
+        with pytest.raises(ConfigError, match="freeze_step.*only onebit_adam"):
+            build({"freeze_step": "auto", "optimizer": name})
+    assert build({"freeze_step": "auto", "optimizer": "adam"}).resolved_freeze_step() is None

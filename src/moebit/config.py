@@ -244,6 +244,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.optimizer in names, "optimizer", f"must be one of {', '.join(names)}")
     if isinstance(cfg.freeze_step, int):
         need(cfg.freeze_step >= 1, "freeze_step", "must be >= 1 (at least one exact step) or 'auto'")
+    # checked here, before any rank starts: only 1-bit Adam watches its variance for the freeze
+    need(cfg.freeze_step != "auto" or cfg.optimizer in ("onebit_adam",) + EXACT_OPTIMIZERS,
+         "freeze_step", f"'auto' is not supported by {cfg.optimizer} (only onebit_adam has the "
+         "auto rule); give a step count")
     return cfg
 
 
