@@ -122,21 +122,28 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_distill_ep2_resume_export(tmp_path):
-    """2 gloo ranks, ep 2: KD on the teacher's tokenizer ids, resume, then export."""
+def _data(tmp: Path) -> Path:
     import sysconfig
 
+    data = tmp / "data.txt"
+    data.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:30000])
+    return data
+
+
+SMALL = ["--block-size", "16", "--batch-size", "2", "--threads", "1", "--eval-every", "2",
+         "--eval-batches", "1", "--dtype", "fp32", "--warmup-steps", "1", "--log-every", "1"]
+
+
+@pytest.mark.slow
+def test_distill_ep2_resume_export(tmp_path):
+    """2 gloo ranks, ep 2: KD on the teacher's tokenizer ids, resume, then export."""
     src = tmp_path / "hf"
     make_hf_model("qwen3_moe", src, vocab_size=320, num_hidden_layers=4)  # MoE at 1, 3
     train_tokenizer(src)
-    data = tmp_path / "data.txt"
-    data.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:30000])
     run = tmp_path / "run"
-    r = _moebit(["distill", "--teacher", str(src), "--student-layers", "2", "--data", str(data),
-                 "--block-size", "16", "--batch-size", "2", "--threads", "1", "--steps", "2",
-                 "--eval-every", "2", "--eval-batches", "1", "--dtype", "fp32",
-                 "--teacher-dtype", "fp32", "--warmup-steps", "1", "--log-every", "1",
-                 "--kd-stop", "fraction", "--kd-stop-fraction", "1.0", "--nproc", "2",
+    r = _moebit(["distill", "--teacher", str(src), "--student-layers", "2",
+                 "--data", str(_data(tmp_path)), *SMALL, "--steps", "2", "--teacher-dtype",
+                 "fp32", "--kd-stop", "fraction", "--kd-stop-fraction", "1.0", "--nproc", "2",
                  "--ep-size", "2", "--save-every", "2", "--run-dir", str(run)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run / "distill.json").read_text())["keep_layers"] == [0, 3]
@@ -165,6 +172,34 @@ def test_distill_ep2_resume_export(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
         assert (init(ids).logits - model(ids).logits).abs().max() > 1e-3  # it did train
+
+
+@pytest.mark.slow
+def test_teacher_is_a_run_trained_init_from(tmp_path):
+    """A run fine-tuned --init-from a folder teaches: its checkpoint's layers start the
+    student, its training settings are the student's, its folder's tokenizer is used."""
+    src = tmp_path / "hf"
+    make_hf_model("mixtral", src, vocab_size=320, num_hidden_layers=3)
+    train_tokenizer(src)
+    teacher_run = tmp_path / "teacher"
+    r = _moebit(["train", "--init-from", str(src), "--data", str(_data(tmp_path)), *SMALL,
+                 "--steps", "2", "--nproc", "1", "--samples", "0", "--run-dir", str(teacher_run)],
+                tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    r = _moebit(["distill", "--teacher", str(teacher_run), "--student-layers", "2", "--steps", "2",
+                 "--nproc", "1", "--lr", "1e-4", "--run-dir", str(run)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["block_size"] == 16 and cfg["data"] == str(_data(tmp_path)) and cfg["lr"] == 1e-4
+    start = next(x for x in _records(run) if x["kind"] == "start")
+    assert start["teacher_step"] == 2 and start["keep_layers"] == [0, 2]
+    assert (run / "student-init" / "tokenizer.json").is_file()
+    teacher, init = load_model(teacher_run), from_pretrained(run / "student-init")
+    t_sd = teacher.state_dict()
+    for name, tensor in init.state_dict().items():
+        src_name = name.replace("blocks.1.", "blocks.2.")
+        torch.testing.assert_close(tensor, t_sd[src_name], atol=0, rtol=0, msg=name)
 
 
 def test_cli_refuses_bad_requests(tmp_path):
