@@ -20,7 +20,8 @@ hooks (``KDStage``): the teacher's forward and the KD term, the stop rule, and t
 state, saved in every checkpoint. So it has everything training has: ``--resume``,
 ``--save-every``, ``--max-restarts`` that resume, ``--on-nan``, the freeze record and the
 gradient metrics. The student itself (which blocks, its init, the KD loss) is
-``moebit.students``.
+``moebit.students`` (``moebit.students_hf`` for the Hugging Face families, whose student
+trains ``--init-from`` a folder holding its starting weights, ``RUN/student-init``).
 
 Each rank runs ``python -m moebit.distill --resolved-config RUN/config.json``, launched
 by ``moebit distill`` (``moebit.cli.distill``); ``RUN/distill.json`` holds the settings
@@ -48,6 +49,7 @@ from moebit.checkpoint.train_state import load_model_weights
 from moebit.comm.collectives import DistInfo
 from moebit.config import TrainConfig, build
 from moebit.evaluation import autocast, evaluate
+from moebit.hf import HFDecoderConfig
 from moebit.models.build import build_model
 from moebit.models.interface import ModelOutput
 from moebit.students import (
@@ -60,6 +62,7 @@ from moebit.students import (
     kd_loss,
     student_config,
 )
+from moebit.students_hf import check_hf_compatible, choose_hf_layers, find_hf_teacher, load_hf_teacher
 from moebit.train import print_summary, train
 from moebit.train import run as run_training
 from moebit.train_hooks import Batch, Hooks, Loop
@@ -74,7 +77,8 @@ DISTILL_FILE = "distill.json"
 
 @dataclass
 class DistillConfig:
-    teacher: str  # the teacher's run folder (its newest complete checkpoint is used)
+    # the teacher's run folder (its newest complete checkpoint is used) or Hugging Face folder
+    teacher: str
     student_layers: int
     keep_layers: list[int] | None = None  # teacher block for each student block; None: choose_layers
     kd_weight: float = 1.0
@@ -201,7 +205,7 @@ class KDStage:
         d = self.dcfg
         return {"teacher": str(d.teacher), "teacher_step": self.teacher_step,
                 "teacher_params": self.teacher.num_params(),
-                "teacher_layers": self.teacher.config.n_layer, "keep_layers": self.keep,
+                "teacher_layers": len(self.teacher.blocks), "keep_layers": self.keep,
                 "teacher_val_loss": self.teacher_val, "init_val_loss": loop.validate(),
                 "kd_steps": self.kd_steps, "kd_stop_rule": d.kd_stop_rule,
                 "kd_weight": 0.0 if d.no_kd else d.kd_weight, "temperature": d.temperature}
@@ -285,12 +289,28 @@ def caught_up(loop: Loop, teacher_val: float) -> float | None:
 
 def kd_stage(cfg: TrainConfig, dcfg: DistillConfig, info: DistInfo) -> KDStage:
     """Load the teacher (sharded like the student) and check the student fits it."""
+    if isinstance(cfg.model_config(), HFDecoderConfig):
+        return hf_kd_stage(cfg, dcfg, info)
     teacher, t_cfg, teacher_step = build_teacher(dcfg, cfg.moe.ep_size if cfg.moe else 1, info.rank)
     teacher.to(info.device)
     keep = dcfg.keep_layers or choose_layers(t_cfg.model_config(), dcfg.student_layers)
     check_compatible(teacher.config, cfg.model_config(), keep)
     kd_steps = dcfg.kd_steps(cfg.steps)
     return KDStage(dcfg, teacher, teacher_step, keep, kd_steps)
+
+
+def hf_kd_stage(cfg: TrainConfig, dcfg: DistillConfig, info: DistInfo) -> KDStage:
+    """The KD stage of a Hugging Face student: its teacher (a folder, or a run's newest
+    checkpoint) loaded with the student's expert parallelism, this rank's experts only."""
+    t = find_hf_teacher(dcfg.teacher)
+    if t is None:
+        raise DistillError(f"--teacher {dcfg.teacher!r} is a moebit GPT run but the student "
+                           f"({cfg.init_from}) is a Hugging Face model")
+    teacher = load_hf_teacher(t, cfg.moe.ep_size if cfg.moe else 1, info.rank).to(info.device)
+    keep = dcfg.keep_layers or choose_hf_layers(t.config, dcfg.student_layers)
+    check_hf_compatible(teacher.config, cfg.model_config(), keep)
+    step = int(read_manifest(t.checkpoint)["step"]) if t.checkpoint is not None else 0
+    return KDStage(dcfg, teacher, step, keep, dcfg.kd_steps(cfg.steps))
 
 
 def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:

@@ -8,6 +8,7 @@ Pure functions of configurations and models; the training stage that uses them i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,14 @@ def choose_layers(teacher: GPTConfig, n_student: int) -> list[int]:
         raise DistillError(f"--student-layers must be in [1, {T}] (the teacher has {T} blocks), got {L}")
     t_moe = [e > 0 for e in block_experts(teacher)]
     s_moe = _student_is_moe(teacher, L)
+    return keep_by_depth(T, L, lambda i, j: t_moe[j] == s_moe[i])
 
+
+def keep_by_depth(T: int, L: int, fits: Callable[[int, int], bool]) -> list[int]:
+    """The increasing ``keep`` (student block i <- teacher block keep[i]) minimising
+    sum_i |keep[i]/(T-1) - i/(L-1)| among those where ``fits(i, keep[i])`` holds for all i
+    (a dynamic program over (student block, teacher block)); ties keep the earliest block.
+    Shared by moebit's GPT and the Hugging Face families, which differ only in ``fits``."""
     def cost(i: int, j: int) -> float:
         return abs((j / (T - 1) if T > 1 else 0.0) - (i / (L - 1) if L > 1 else 0.0))
 
@@ -60,14 +68,14 @@ def choose_layers(teacher: GPTConfig, n_student: int) -> list[int]:
     best = [[inf] * T for _ in range(L)]  # best[i][j]: student blocks 0..i placed, i on j
     back = [[-1] * T for _ in range(L)]
     for j in range(T):
-        if t_moe[j] == s_moe[0]:
+        if fits(0, j):
             best[0][j] = cost(0, j)
     for i in range(1, L):
         run_min, run_arg = inf, -1
         for j in range(T):
             if j > 0 and best[i - 1][j - 1] < run_min:  # strict '<': ties keep the earliest
                 run_min, run_arg = best[i - 1][j - 1], j - 1
-            if t_moe[j] == s_moe[i] and run_min < inf:
+            if fits(i, j) and run_min < inf:
                 best[i][j] = run_min + cost(i, j)
                 back[i][j] = run_arg
     end = min(range(T), key=lambda j: best[L - 1][j])

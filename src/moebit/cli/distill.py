@@ -4,6 +4,8 @@
     moebit distill --teacher runs/prmoe --student-layers 6 --no-kd --run-dir runs/nokd  # baseline
     moebit distill --resume runs/mos                     # continue from the newest checkpoint
     moebit report runs/prmoe runs/mos runs/nokd
+    moebit distill --teacher path/to/qwen3-moe --student-layers 12 --data corpus/ \
+        --block-size 512 --nproc 2 --ep-size 2 --run-dir runs/qwen-mos   # a Hugging Face teacher
 
 The student takes the teacher's configuration (widths, experts, MoE settings, data,
 optimizer, schedule) with fewer blocks; training flags override the teacher's values,
@@ -11,12 +13,18 @@ model-shape flags are refused. ``--resume RUN`` takes the settings of RUN (confi
 distill.json; training flags override them) and continues in the KD stage it was in. Ranks
 are launched through torch.distributed.run exactly as ``moebit train`` launches them, each
 running ``python -m moebit.distill``.
+
+A Hugging Face teacher (a folder, or a run trained ``--init-from`` one): the student's
+starting folder ``RUN/student-init`` (its config.json with fewer layers, the kept layers'
+weights, the teacher's tokenizer files) is written here, in this process, before any rank
+starts; the student then trains ``--init-from`` it. ``--block-size`` is its sequence length.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,6 +33,7 @@ from typing import Any
 from moebit import tracking
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
+from moebit.cli.export import COPIED
 from moebit.cli.launch import (
     add_launch_flags,
     pop_launch,
@@ -43,6 +52,17 @@ from moebit.distill import (
     load_teacher_config,
     student_train_config,
 )
+from moebit.metrics import FILE_NAME as METRICS_FILE
+from moebit.students_hf import (
+    HFTeacher,
+    check_hf_keep,
+    choose_hf_layers,
+    find_hf_teacher,
+    load_hf_teacher,
+    write_student,
+)
+
+STUDENT_DIR = "student-init"  # the Hugging Face student's starting folder, inside the run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", metavar="RUN",
                     help="continue the distillation RUN from its newest checkpoint (its settings; "
                          "training flags override them)")
-    kd.add_argument("--teacher", metavar="RUN", help="the teacher's run folder (required)")
+    kd.add_argument("--teacher", metavar="RUN|HF_DIR",
+                    help="the teacher: a run folder, or a Hugging Face model folder (required)")
     kd.add_argument("--student-layers", type=int, help="blocks of the student (required)")
     kd.add_argument("--keep-layers", metavar="I,J,...",
                     help="teacher block for each student block (default: keep relative depth, "
@@ -72,8 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     kd.add_argument("--teacher-dtype", choices=("bf16", "fp32"),
                     help="autocast dtype of the teacher's forward pass (default bf16)")
     add_launch_flags(ap)
-    # Every other setting defaults to the teacher's; model shapes cannot change.
-    add_config_flags(ap, skip=(*INTERNAL_FIELDS, *FIXED_BY_TEACHER))
+    # Every other setting defaults to the teacher's; model shapes cannot change (but a
+    # Hugging Face student's --block-size, its sequence length, may: refused for a GPT later).
+    # --init-from is --teacher's job (a Hugging Face student's init_from is RUN/student-init).
+    add_config_flags(ap, skip=(*INTERNAL_FIELDS, "init_from",
+                               *(k for k in FIXED_BY_TEACHER if k != "block_size")))
     return ap
 
 
@@ -110,12 +134,46 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     if "keep_layers" in dvals:
         dvals["keep_layers"] = _keep_list(dvals["keep_layers"])
     dcfg = DistillConfig(**dvals).validate()
+    hf_teacher = find_hf_teacher(dcfg.teacher)
+    if hf_teacher is not None:
+        return hf_student(hf_teacher, dcfg, given), dcfg, launch
     t_cfg, _ = load_teacher_config(dcfg.teacher)
     cfg, keep = student_train_config(t_cfg, dcfg, given)
     dcfg.keep_layers = keep
     if cfg.run_dir is None:
         cfg.run_dir = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-distill"
     return cfg, dcfg, launch
+
+
+def hf_student(t: HFTeacher, dcfg: DistillConfig, given: dict[str, Any]) -> TrainConfig:
+    """The student of a Hugging Face teacher: write ``RUN/student-init`` (the kept layers
+    as a Hugging Face folder, with the teacher's tokenizer) and train ``--init-from`` it.
+
+    Training settings are a teacher run's (none for a folder), then the flags. The folder is
+    written before the launch checks, since the student's config is read from it; a run
+    folder that already holds a run is refused first, so nothing of a run is overwritten.
+    """
+    keep = dcfg.keep_layers or choose_hf_layers(t.config, dcfg.student_layers)
+    if len(keep) != dcfg.student_layers:
+        raise UsageError(f"--keep-layers lists {len(keep)} layers but --student-layers is "
+                         f"{dcfg.student_layers}")
+    check_hf_keep(t.config, keep)
+    run_dir = Path(given.pop("run_dir", None) or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-distill")
+    if (run_dir / METRICS_FILE).exists():
+        raise UsageError(f"--run-dir {str(run_dir)!r} already holds a run ({METRICS_FILE}): pick "
+                         f"another folder, or continue it with --resume {run_dir}")
+    student_dir = run_dir / STUDENT_DIR
+    teacher = load_hf_teacher(t, dtype="auto" if t.checkpoint is None else None)
+    write_student(teacher, keep, student_dir)
+    del teacher
+    for name in COPIED:
+        src = t.init_from / name if t.init_from is not None else None
+        if src is not None and src.is_file():
+            shutil.copyfile(src, student_dir / name)
+    values = {**t.train_values, "init_from": str(student_dir), "resume": False,
+              "run_dir": str(run_dir)}
+    dcfg.keep_layers = keep
+    return build(values, given, source=f"{t.source} (teacher) + flags")
 
 
 def _resumed(run: Path, dvals: dict[str, Any], given: dict[str, Any]
