@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moebit.hf.config import read_config  # imports the moebit.hf package (safetensors)
+from moebit.hf.config import HFDecoderConfig, read_config  # imports moebit.hf (safetensors)
 from moebit.models.gpt import GPTConfig
 from moebit.models.hf_decoder import moe_config_for
 from moebit.moe import MoEConfig
@@ -79,6 +79,9 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # optimizer-specific settings
     # a Hugging Face model folder to fine-tune (moebit.hf); None trains moebit's GPT
     init_from: str | None = None
+    # not a key: init_from's config.json as moebit reads it (its sequence length block_size,
+    # its experts sharded ep_size ways), attached by build(); the folder is the source of truth
+    hf: HFDecoderConfig | None = field(default=None, compare=False, repr=False)
 
     @property
     def moe(self) -> MoEConfig | None:
@@ -88,18 +91,14 @@ class TrainConfig:
             return moe_config_for(hf) if hf.is_moe else None
         return self.model.moe
 
-    def model_config(self) -> Any:
-        """The GPTConfig, or with ``init_from`` the folder's HFDecoderConfig (read once;
-        its sequence length is ``block_size``, its expert parallelism ``ep_size``)."""
+    def model_config(self) -> GPTConfig | HFDecoderConfig:
+        """The GPTConfig, or with ``init_from`` the folder's HFDecoderConfig (``hf``)."""
         if not self.init_from:
             return self.model
-        if getattr(self, "_hf_config", None) is None:
-            hf = read_config(self.init_from, ep_size=getattr(self, "hf_ep_size", 1))
-            if self.model.block_size > hf.max_position_embeddings:
-                raise ConfigError(f"block_size {self.model.block_size} exceeds the model's "
-                                  f"max_position_embeddings {hf.max_position_embeddings}")
-            self._hf_config = hf.replace(block_size=self.model.block_size)
-        return self._hf_config
+        if self.hf is None:
+            raise ConfigError("init_from: the Hugging Face config was not read; make the "
+                              "TrainConfig with moebit.config.build (or attach_hf_config)")
+        return self.hf
 
     def resolved_freeze_step(self) -> int | str | None:
         if self.optimizer in EXACT_OPTIMIZERS:
@@ -137,7 +136,7 @@ def _flat_keys() -> dict[str, tuple[str, str]]:
         if f.name not in _MOE_SKIP:
             keys[_MOE_RENAMES.get(f.name, f.name)] = ("moe", f.name)
     for f in dataclasses.fields(TrainConfig):
-        if f.name != "model":
+        if f.name not in ("model", "hf"):
             keys[f.name] = ("train", f.name)
     return keys
 
@@ -295,10 +294,20 @@ def build(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     cfg = validate(TrainConfig(model=model, **values["train"]))
-    if cfg.init_from:
-        cfg.hf_ep_size = values["moe"].get("ep_size", 1)  # the HF model's experts, not GPT's
-        try:
-            cfg.model_config()
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"init_from: {e}") from None
+    if cfg.init_from:  # ep_size is the HF model's (a dense GPT config would drop it)
+        attach_hf_config(cfg, ep_size=values["moe"].get("ep_size", 1))
+    return cfg
+
+
+def attach_hf_config(cfg: TrainConfig, ep_size: int = 1) -> TrainConfig:
+    """Read ``cfg.init_from``'s config.json into ``cfg.hf``: sequence length ``block_size``,
+    experts sharded ``ep_size`` ways. A bad folder or an over-long block is a ConfigError."""
+    try:
+        hf = read_config(str(cfg.init_from), ep_size=ep_size)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from: {e}") from None
+    if cfg.model.block_size > hf.max_position_embeddings:
+        raise ConfigError(f"block_size {cfg.model.block_size} exceeds the model's "
+                          f"max_position_embeddings {hf.max_position_embeddings}")
+    cfg.hf = hf.replace(block_size=cfg.model.block_size)
     return cfg
