@@ -2,6 +2,7 @@
 
     moebit bench serve --json serve.json                       # a random MoE model
     moebit bench serve --run runs/a --clients 1 8 32 --requests 64
+    moebit bench serve --hf --json serve-hf.json               # + transformers generate
 
 A load generator of its own (asyncio + httpx, streamed replies, a bounded number of
 requests, only to 127.0.0.1) drives a real ``moebit serve`` subprocess at 1, 8 and 32
