@@ -104,8 +104,9 @@ class SlotKVCache(KVCache):
         if self._contiguous:
             r = len(self.rows)
             return self.k[layer][:r, :, :s], self.v[layer][:r, :, :s]
-        return (self.k[layer].index_select(0, self.rows_R)[:, :, :s],
-                self.v[layer].index_select(0, self.rows_R)[:, :, :s])
+        # slice first: the gathered copy holds the s columns in use, not the whole capacity
+        return (self.k[layer][:, :, :s].index_select(0, self.rows_R),
+                self.v[layer][:, :, :s].index_select(0, self.rows_R))
 
     def mask_for(self, t: int) -> torch.Tensor | None:
         """[R, 1, t, S] bool: query i of row r sees keys 0 .. lengths[r] + i (its own past
