@@ -3,6 +3,7 @@ equal whole replies, many clients at once, 4xx for bad requests, 429, disconnect
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -13,6 +14,7 @@ import pytest
 import torch
 from serve_helpers import MOE, Server, save_run
 
+from moebit.bench.serve_load import load
 from moebit.generate import generate_tokens
 from moebit.loading import load_model
 
@@ -179,3 +181,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(long_run: Path) -> None:
         assert s.proc.wait(timeout=60) == 0
     finally:
         s.close()
+
+
+def test_bench_load_generator_counts_every_token_and_request(server: Server) -> None:
+    """The benchmark's cheap client (raw bytes, JSON only for the last chunk) agrees with
+    what was asked: every request completed, every token counted, one TTFT per request."""
+    jobs = [("def " * (1 + i % 3), 3 + 4 * i) for i in range(6)]
+    for stream in (True, False):
+        rec = asyncio.run(load(server.url, jobs, clients=3, stream=stream))
+        assert (rec["completed"], rec["lost"], rec["5xx"]) == (6, 0, 0)
+        assert rec["tokens_per_s"] * rec["wall_s"] == pytest.approx(sum(n for _, n in jobs))
+    assert rec["ttft_p50_ms"] is None  # whole replies: no per-token timings

@@ -2,6 +2,7 @@
 
     moebit bench serve --json serve.json                       # a random MoE model
     moebit bench serve --run runs/a --clients 1 8 32 --requests 64
+    moebit bench serve --hf --json serve-hf.json               # + transformers generate
 
 A load generator of its own (asyncio + httpx, streamed replies, a bounded number of
 requests, only to 127.0.0.1) drives a real ``moebit serve`` subprocess at 1, 8 and 32
@@ -11,12 +12,12 @@ time to first token and inter-token latency (p50/p99), lost requests and 5xx rep
 
 The baseline is static batching, ``moebit generate --batch C``: the same prompts through
 ``generate_tokens`` in batches of C (one max-new-tokens per batch, as the CLI takes one;
-only the tokens each request asked for count as output). The server and the baseline
-each get one torch thread; they run interleaved, rep by rep, so a loaded host hits both.
+only the tokens each request asked for count as output). The server and the baselines
+each get one torch thread; they run interleaved, rep by rep, so a loaded host hits all.
 
-transformers' ``generate`` is not compared: a moebit MoE GPT has no Hugging Face
-architecture to load the same weights into (the byte-level dense GPT is not GPT-2 either:
-its vocabulary, embeddings and block layout differ).
+``--hf`` (a random Mixtral built by transformers) or ``--run HF_DIR``: the server serves a
+Hugging Face folder, and transformers' ``generate`` on the same weights and prompts is a
+second baseline (``moebit.bench.serve_hf``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -38,11 +38,14 @@ import httpx
 import numpy as np
 import torch
 
+from moebit.bench import serve_hf
+from moebit.bench.serve_load import load, pct, workload
 from moebit.checkpoint.train_state import save
 from moebit.comm.collectives import DistInfo
 from moebit.config import build
 from moebit.data import TrainBatches
 from moebit.generate import generate_tokens
+from moebit.hf import from_pretrained, is_hf_folder
 from moebit.loading import load_model
 from moebit.models.gpt import GPT
 from moebit.testing import free_port
@@ -63,89 +66,6 @@ def synthetic_run(folder: Path) -> Path:
     return folder
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[str, int]]:
-    """(prompt, max_tokens) pairs: prompts of 4..200 bytes, outputs of 8..128 tokens."""
-    rng = random.Random(seed)
-    words = ["def", "class", "return", "import", "self", "x", "=", "(", ")", ":", "\n    "]
-    out = []
-    for _ in range(n):
-        length = rng.choice([4, 16, 48, 120, 200])
-        text = ""
-        while len(text) < length:
-            text += rng.choice(words) + " "
-        out.append((text[:length], rng.choice([8, 16, 32, 64, 128])))
-    return out
-
-
-async def _whole_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict) -> None:
-    """Whole replies (``stream: false``): throughput only, no per-token timings."""
-    while not jobs.empty():
-        prompt, n = jobs.get_nowait()
-        try:
-            r = await http.post(url + "/v1/completions", json={
-                "prompt": prompt, "max_tokens": n, "temperature": 0})
-        except httpx.HTTPError:
-            rec["lost"] += 1
-            continue
-        if r.status_code >= 500:
-            rec["5xx"] += 1
-        elif r.status_code == 200:
-            rec["done"] += 1
-            rec["tokens"] += r.json()["usage"]["completion_tokens"]
-
-
-async def _client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict) -> None:
-    while not jobs.empty():
-        prompt, n = jobs.get_nowait()
-        t0 = time.perf_counter()
-        times, status = [], 0
-        try:
-            async with http.stream("POST", url + "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}) as r:
-                status = r.status_code
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if chunk["choices"][0]["text"]:
-                            times.append(time.perf_counter())
-                        if "usage" in chunk:
-                            rec["tokens"] += chunk["usage"]["completion_tokens"]
-                    elif line == "data: [DONE]":
-                        rec["done"] += 1
-        except httpx.HTTPError:
-            rec["lost"] += 1
-            continue
-        if status >= 500:
-            rec["5xx"] += 1
-        if times:
-            rec["ttft"].append(times[0] - t0)
-            rec["itl"] += [b - a for a, b in zip(times, times[1:], strict=False)]
-
-
-async def _load(url: str, jobs: list[tuple[str, int]], clients: int,
-                stream: bool = True) -> dict[str, Any]:
-    q: asyncio.Queue = asyncio.Queue()
-    for j in jobs:
-        q.put_nowait(j)
-    rec: dict[str, Any] = {"done": 0, "lost": 0, "5xx": 0, "tokens": 0, "ttft": [], "itl": []}
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients)) as http:
-        one = _client if stream else _whole_client
-        await asyncio.gather(*(one(http, url, q, rec) for _ in range(clients)))
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens_per_s": rec["tokens"] / wall, "requests": len(jobs),
-            "completed": rec["done"], "lost": rec["lost"], "5xx": rec["5xx"],
-            "ttft_p50_ms": _pct(rec["ttft"], 50), "ttft_p99_ms": _pct(rec["ttft"], 99),
-            "itl_p50_ms": _pct(rec["itl"], 50), "itl_p99_ms": _pct(rec["itl"], 99)}
-
-
-def _pct(xs: list[float], q: int) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return round(1e3 * s[min(len(s) - 1, int(len(s) * q / 100))], 2)
-
-
 def static(model: GPT, jobs: list[tuple[str, int]], batch: int) -> dict[str, Any]:
     """``moebit generate --batch B`` on the same prompts: batches in arrival order, each
     decoded to its longest request's length; tokens/s counts only the requested tokens."""
@@ -159,14 +79,14 @@ def static(model: GPT, jobs: list[tuple[str, int]], batch: int) -> dict[str, Any
         firsts += [ts - t0 + res.prefill_s] * len(chunk)  # queued since t0, first token after prefill
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens_per_s": sum(n for _, n in jobs) / wall,
-            "ttft_p50_ms": _pct(firsts, 50), "ttft_p99_ms": _pct(firsts, 99)}
+            "ttft_p50_ms": pct(firsts, 50), "ttft_p99_ms": pct(firsts, 99)}
 
 
-def _start_server(run: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def _start_server(run: Path, max_batch: int, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moebit.cli", "serve", str(run),
                              "--port", str(port), "--threads", "1", "--max-batch", str(max_batch),
-                             "--max-queue", "1024"])
+                             "--max-queue", "1024", *flags])
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -183,7 +103,13 @@ def _start_server(run: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="moebit bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", help="a run folder (default: a random MoE model)")
+    ap.add_argument("--run", help="a run folder or a Hugging Face folder (default: a random "
+                                  "MoE model)")
+    ap.add_argument("--hf", action="store_true",
+                    help="a random Hugging Face Mixtral (needs transformers); adds the "
+                         "transformers generate baseline")
+    ap.add_argument("--hf-cache", choices=("dynamic", "static"), default="dynamic",
+                    help="transformers generate's KV cache")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=64,
                     help="requests per measurement, at least 8 per client (bounded: 2000)")
@@ -197,38 +123,73 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--requests must lie in 1..2000 and --clients be >= 1")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(args.run) if args.run else synthetic_run(Path(tmp))
-        model = load_model(run)
-        proc, url = _start_server(run, args.max_batch)
+        if args.run:
+            run = Path(args.run)
+        elif args.hf:
+            run = serve_hf.synthetic_hf_folder(Path(tmp))
+        else:
+            run = synthetic_run(Path(tmp))
+        hf = is_hf_folder(run)
+        baselines = _hf_baselines(run, args.hf_cache) if hf else _moebit_baseline(run)
+        # an HF folder: slots as long as the synthetic run's context, not the default 2048
+        proc, url = _start_server(run, args.max_batch, *(["--context", "512"] if hf else []))
         try:
-            out = _measure(args, url, model)
+            out = _measure(args, url, baselines)
         finally:
             proc.terminate()
             proc.wait(timeout=120)
     out["host"] = {"cpus": os.cpu_count(), "loaded": "shared with other jobs",
-                   "model": args.run or SYNTHETIC}
+                   "model": args.run or (serve_hf.MIXTRAL if args.hf else SYNTHETIC)}
     print(json.dumps(out, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
-def _measure(args: argparse.Namespace, url: str, model: GPT) -> dict[str, Any]:
-    reps: dict[int, dict[str, list[dict]]] = {c: {"serve": [], "static": []} for c in args.clients}
-    asyncio.run(_load(url, workload(8, seed=99), 4))  # warm-up
+Baseline = Any  # (jobs, batch) -> figures with tokens_per_s
+
+
+def _moebit_baseline(run: Path) -> dict[str, Baseline]:
+    model = load_model(run)
+    return {"static": lambda jobs, c: static(model, jobs, c)}
+
+
+def _hf_baselines(folder: Path, cache: str) -> dict[str, Baseline]:
+    """Static batching through moebit and transformers' generate, on the folder's weights."""
+    ours = from_pretrained(folder)
+    ours.config.block_size = 512  # the server's --context
+    theirs = serve_hf.load_transformers(folder)
+
+    def ids(jobs: list[tuple[str, int]]) -> tuple[list[list[int]], list[int]]:
+        return serve_hf.encode_jobs(folder, jobs), [n for _, n in jobs]
+
+    return {"static": lambda jobs, c: serve_hf.static_ids(ours, *ids(jobs), c),
+            "transformers": lambda jobs, c: serve_hf.transformers_generate(
+                theirs, *ids(jobs), c, cache)}
+
+
+def _measure(args: argparse.Namespace, url: str, baselines: dict[str, Baseline]) -> dict[str, Any]:
+    names = ["serve", *baselines]
+    reps: dict[int, dict[str, list[dict]]] = {c: {k: [] for k in names} for c in args.clients}
+    asyncio.run(load(url, workload(8, seed=99), 4))  # warm-up
     for rep in range(args.reps):
         for c in args.clients:
             jobs = workload(min(2000, max(args.requests, 8 * c)), seed=rep)
-            reps[c]["serve"].append(asyncio.run(_load(url, jobs, c, args.stream)))
-            reps[c]["static"].append(static(model, jobs, c))
+            reps[c]["serve"].append(asyncio.run(load(url, jobs, c, args.stream)))
+            for name, run in baselines.items():
+                reps[c][name].append(run(jobs, c))
     summary = {}
     for c, r in reps.items():
         med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in r.items()}
-        summary[str(c)] = {"serve": r["serve"][-1], "static": r["static"][-1],
-                           "serve_tokens_per_s_median": round(med["serve"], 1),
-                           "static_tokens_per_s_median": round(med["static"], 1),
-                           "ratio": round(med["serve"] / med["static"], 2),
-                           "lost": sum(x["lost"] for x in r["serve"]),
-                           "5xx": sum(x["5xx"] for x in r["serve"])}
+        row: dict[str, Any] = {k: r[k][-1] for k in names}
+        for k in names:
+            row[f"{k}_tokens_per_s_median"] = round(med[k], 1)
+        row["ratio"] = round(med["serve"] / med["static"], 2)
+        if "transformers" in med:
+            row["ratio_vs_transformers"] = round(med["serve"] / med["transformers"], 2)
+        row["lost"] = sum(x["lost"] for x in r["serve"])
+        row["5xx"] = sum(x["5xx"] for x in r["serve"])
+        row["incomplete"] = sum(x["requests"] - x["completed"] for x in r["serve"])
+        summary[str(c)] = row
     return {"clients": summary, "reps": args.reps, "requests": args.requests,
             "stream": args.stream}

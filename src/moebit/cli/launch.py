@@ -126,6 +126,8 @@ def torchrun_args(launch: dict[str, Any], module: str, module_args: list[str]) -
             args += ["--node-rank", str(launch["node_rank"])]
     else:
         args += ["--standalone"]
+    if "signals_to_handle" in launch:  # signals torchrun answers by stopping every rank
+        args += ["--signals-to-handle", str(launch["signals_to_handle"])]
     # Every rank starts in moebit.runtime, which then runs MODULE.main(module_args).
     return args + ["--module", "moebit.runtime", module, *module_args]
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -135,8 +137,47 @@ def main(argv: list[str] | None = None) -> int:
         return run_rank(args)
     # settings travel as JSON in the environment: torchrun's parser would take --nproc
     os.environ[ARGS_ENV] = json.dumps({**vars(args), "worker": True})
-    run_ranks({"nproc": args.nproc}, "moebit.cli.serve", ["--worker"], "serving")
+    drain_ranks_on_signal()
+    run_ranks({"nproc": args.nproc, "signals_to_handle": "SIGHUP,SIGQUIT"}, "moebit.cli.serve",
+              ["--worker"], "serving")
     return 0
+
+
+def _children() -> list[int]:
+    """This process's child processes (the ranks torchrun started), from /proc."""
+    me, out = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me:
+            out.append(int(d.name))
+    return out
+
+
+def drain_ranks_on_signal() -> None:
+    """SIGTERM/SIGINT on the launcher drain the server instead of killing the ranks.
+
+    torchrun's agent would answer the signal by terminating every rank (and SIGKILL after
+    30 s): the followers would die under rank 0 and the launcher would exit 143. Instead
+    torchrun is told to leave those two signals alone (``signals_to_handle``), and this
+    handler passes SIGTERM on to the ranks: rank 0 drains its requests and then tells the
+    others to stop (they ignore the signal), so every rank exits 0 and so does the
+    launcher, through torchrun's normal ending.
+    """
+
+    def forward(_sig: int, _frame: object) -> None:
+        for pid in _children():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Handlers run on the event loop; the engine runs on its own thread. A request's events
-cross over through ``loop.call_soon_threadsafe`` into an asyncio queue. Errors are
+cross over into its asyncio queue through one ``loop.call_soon_threadsafe`` per batch of
+events (``_Outbox``: a decode step's tokens wake the loop once, not once each). Errors are
 OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named
 in ``param``), 429 when the queue is full, 503 when the engine is down or draining.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -69,14 +71,41 @@ def _params(body: _Sampling) -> SamplingParams:
     return p
 
 
+class _Outbox:
+    """Events from the engine thread to the event loop, with one wake-up per batch.
+
+    A decode step ends with an event for each of its requests; waking the loop once per
+    event (``call_soon_threadsafe`` writes to its self-pipe each time) would cost a
+    system call and a loop iteration per token. The first event of a batch schedules a
+    delivery; the others, arriving before the loop runs it, only join the list.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.lock = loop, threading.Lock()
+        self.pending: list[tuple[asyncio.Queue[Event], Event]] = []
+
+    def put(self, queue: asyncio.Queue[Event], ev: Event) -> None:
+        with self.lock:
+            self.pending.append((queue, ev))
+            if len(self.pending) > 1:
+                return  # a delivery is already scheduled and will take this one too
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
 class _Bridge:
     """One request's events, from the engine thread into this request's asyncio queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.queue = loop, asyncio.Queue[Event]()
+    def __init__(self, outbox: _Outbox) -> None:
+        self.outbox, self.queue = outbox, asyncio.Queue[Event]()
 
     def __call__(self, ev: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        self.outbox.put(self.queue, ev)
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
@@ -140,7 +169,10 @@ async def _serve(ctx: dict[str, Any], body: _Sampling, prompt: str, http: HTTPRe
     except ValueError as e:
         return error(400, str(e), str(e).split()[0])
     ids = ctx["tok"].encode(prompt)
-    bridge = _Bridge(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    if ctx.get("outbox") is None or ctx["outbox"].loop is not loop:
+        ctx["outbox"] = _Outbox(loop)
+    bridge = _Bridge(ctx["outbox"])
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     req = Request(rid, ids, params, bridge)
     try:

@@ -230,11 +230,13 @@ class Engine:
 
     def _sample_all(self, reqs: list[Request], logits_RV: torch.Tensor) -> None:
         now = time.monotonic()
-        for r, logits_V in zip(reqs, logits_RV, strict=True):
+        # greedy rows in one argmax (the same first maximum as one row's argmax)
+        greedy = logits_RV.argmax(-1).tolist()
+        for r, logits_V, best in zip(reqs, logits_RV, greedy, strict=True):
             if r.cancelled:
                 continue
             assert r.gen is not None
-            r.out.append(sample(logits_V, r.params, r.gen))
+            r.out.append(best if r.params.temperature == 0 else sample(logits_V, r.params, r.gen))
             if len(r.out) == 1:
                 self.metrics.ttft.observe(now - r.arrival)
             else:

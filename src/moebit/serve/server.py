@@ -44,8 +44,10 @@ def _idle_forward(model: GPT) -> None:
 
 def follow(model: GPT) -> int:
     """A rank other than 0: step in lockstep with rank 0 until it says stop."""
-    # rank 0 drains on SIGTERM and then tells this rank to stop; dying first would fail it
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # rank 0 drains on SIGTERM/SIGINT and then tells this rank to stop; dying first would
+    # fail it (a Ctrl-C in a terminal reaches every rank of the process group)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     n_1 = torch.zeros(1, dtype=torch.long)
     with torch.no_grad(), dropless(model):
         while True:

@@ -63,15 +63,18 @@ class SlotKVCache(KVCache):
         self.rows_R = torch.tensor(self.rows, dtype=torch.long, device=dev)
         self.len_R = torch.tensor([self.lengths[r] for r in self.rows], dtype=torch.long, device=dev)
         self._contiguous = self.rows == list(range(len(self.rows)))
-        self._mask_at = None  # the mask is made once per forward, by the first layer
+        self._base = max((self.lengths[r] for r in self.rows), default=0)  # longest row so far
+        # made once per forward, by the first layer that asks, and shared by all layers
+        self._mask_at = None
         self._rows_at = None
+        self._index_at: int | None = None
 
     def longest(self, t: int) -> int:
         real = self.n_real or [t] * len(self.rows)
         return max((self.lengths[r] + n for r, n in zip(self.rows, real, strict=True)), default=0)
 
     def positions(self, t: int, limit: int | None = None) -> torch.Tensor:
-        if max((self.lengths[r] for r in self.rows), default=0) + t > self.capacity:
+        if self._base + t > self.capacity:
             raise ValueError(f"SlotKVCache holds {self.capacity} columns per slot: "
                              f"{t} more do not fit")
         cols_T = torch.arange(t, device=self.len_R.device)
@@ -80,20 +83,30 @@ class SlotKVCache(KVCache):
     def _cols(self, t: int) -> torch.Tensor:
         return self.len_R[:, None] + torch.arange(t, device=self.len_R.device)[None]
 
+    def _flat_index(self, t: int) -> torch.Tensor:
+        """Where this forward's [R, H, t] new columns go in a buffer viewed as [-1, Dh]."""
+        if self._index_at != t:
+            _, h, c, _ = self.k[0].shape
+            heads_H = torch.arange(h, device=self.len_R.device)
+            row_RH = self.rows_R[:, None] * h + heads_H[None]
+            self._index = (row_RH[:, :, None] * c + self._cols(t)[:, None, :]).reshape(-1)
+            self._index_at = t
+        return self._index
+
     def update(self, layer: int, k_BHTd: torch.Tensor,
                v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = k_BHTd.shape[2]
-        s = max((self.lengths[r] for r in self.rows), default=0) + t
-        cols_RT = self._cols(t)
-        rows_R1 = self.rows_R[:, None]
-        # advanced indices around a slice: the indexed view is [R, T, H, Dh]
-        self.k[layer][rows_R1, :, cols_RT] = k_BHTd.transpose(1, 2)
-        self.v[layer][rows_R1, :, cols_RT] = v_BHTd.transpose(1, 2)
+        t, dh = k_BHTd.shape[2], k_BHTd.shape[3]
+        s = self._base + t
+        # one index_copy_ into the flat buffer: cheaper than an advanced-index assignment
+        index = self._flat_index(t)
+        self.k[layer].view(-1, dh).index_copy_(0, index, k_BHTd.reshape(-1, dh))
+        self.v[layer].view(-1, dh).index_copy_(0, index, v_BHTd.reshape(-1, dh))
         if self._contiguous:
             r = len(self.rows)
             return self.k[layer][:r, :, :s], self.v[layer][:r, :, :s]
-        return (self.k[layer].index_select(0, self.rows_R)[:, :, :s],
-                self.v[layer].index_select(0, self.rows_R)[:, :, :s])
+        # slice first: the gathered copy holds the s columns in use, not the whole capacity
+        return (self.k[layer][:, :, :s].index_select(0, self.rows_R),
+                self.v[layer][:, :, :s].index_select(0, self.rows_R))
 
     def mask_for(self, t: int) -> torch.Tensor | None:
         """[R, 1, t, S] bool: query i of row r sees keys 0 .. lengths[r] + i (its own past
@@ -106,7 +119,7 @@ class SlotKVCache(KVCache):
         lens = [self.lengths[r] for r in self.rows]
         if t == 1 and len(set(lens)) <= 1:
             return None
-        s = max(lens, default=0) + t
+        s = self._base + t
         key_S = torch.arange(s, device=self.len_R.device)
         return (key_S[None, None, :] <= self._cols(t)[:, :, None])[:, None]
 
