@@ -46,8 +46,10 @@ from torch import nn
 
 from moebit.moe.grouped import _GroupedExperts, grouped_mm_supported
 from moebit.moe.kernels import EXPERT_TYPES, _LoopExperts, _PaddedExperts
+from moebit.moe.threaded import _ThreadedExperts
 
-_KERNEL_FNS = {"loop": _LoopExperts, "padded": _PaddedExperts, "grouped": _GroupedExperts}
+_KERNEL_FNS = {"loop": _LoopExperts, "padded": _PaddedExperts, "grouped": _GroupedExperts,
+               "threaded": _ThreadedExperts}
 
 
 class Experts(nn.Module):
@@ -68,7 +70,7 @@ class Experts(nn.Module):
     so skewed or dropless routing never pads E x S rows.
     """
 
-    KERNELS = ("auto", "loop", "padded", "grouped")
+    KERNELS = ("auto", "loop", "padded", "grouped", "threaded")
 
     def __init__(
         self,
@@ -170,9 +172,10 @@ class Experts(nn.Module):
 
     def choose_kernel(
         self, counts: list[int], device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, threads: int | None = None,
     ) -> str:
-        """The kernel this call runs: ``kernel`` itself, or auto's measured rule."""
+        """The kernel this call runs: ``kernel`` itself, or auto's measured rule
+        (``threads``: the intra-op thread count; default ``torch.get_num_threads()``)."""
         if self.kernel not in self.KERNELS:
             raise ValueError(f"Experts.kernel must be one of {self.KERNELS}, got {self.kernel!r}")
         rows, n = sum(counts), len(counts)
@@ -189,12 +192,16 @@ class Experts(nn.Module):
             return self.kernel
         if torch.device(device).type == "cuda" and grouped_mm_supported(device, dtype):
             return "grouped"
+        threads = torch.get_num_threads() if threads is None else threads
+        if torch.device(device).type == "cpu" and threads > 1 and n > 1:
+            return "threaded"
         padded = (n > 1 and rows <= self.pad_below_rows * n
                   and n * max(counts) <= (1 + self.pad_limit) * rows)
         return "padded" if padded else "loop"
 
     def _use_padded(self, counts: list[int]) -> bool:
-        return self.choose_kernel(counts) == "padded"
+        """Whether the one-thread rule pads these blocks."""
+        return self.choose_kernel(counts, threads=1) == "padded"
 
     def extra_repr(self) -> str:
         return (f"{self.expert_type} experts {self.first_expert}.."
