@@ -13,11 +13,22 @@ Names and shapes (E = local experts, d = d_model, f = d_ffn; suffixes give the l
   (``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``) by stacking
   [gate; up] rows.
 
-Kernels (``kernel``; the code is in ``moebit.moe.kernels`` and ``moebit.moe.grouped``):
-"loop" (one matmul per expert on exactly its rows), "padded" (batched matmuls over blocks
-padded to the largest), "grouped" (``torch.nn.functional.grouped_mm``) and "auto".
+Kernels (``kernel``; the code is in ``moebit.moe.kernels``, ``moebit.moe.threaded`` and
+``moebit.moe.grouped``): "loop" (one matmul per expert on exactly its rows), "threaded"
+(the loop's experts spread over the CPU threads, each GEMM single-threaded), "padded"
+(batched matmuls over blocks padded to the largest), "grouped"
+(``torch.nn.functional.grouped_mm``) and "auto".
 
-What "auto" picks, from measurements (docs/benchmarks.md, 2 threads, d 512, f 2048):
+What "auto" picks on CPU with more than one intra-op thread: "threaded". Measured in
+process, interleaved, on a loaded 2-core host (issue 16, SwiGLU d 512, f 1360, top-2,
+dropless): the Mixtral MoE block forward+backward on 2048 tokens over 16 experts took
+1204 ms (median; best 962) against 2851 ms for the loop and 2353 ms for transformers'
+grouped_mm experts, using 663 ms of CPU against 1650 and 1488 (the loop's and
+grouped_mm's per-expert GEMMs split over 2 threads spend the rest waiting at barriers);
+in inference mode at E=64 it was faster than the loop from 1 token to 512 (best of 15).
+
+What "auto" picks with one thread, from measurements (docs/benchmarks.md, 2 threads at
+the time, d 512, f 2048):
 
 - padded against loop, on the whole GELU layer (4096 tokens, top-2 over 64 experts,
   capacity factor 1, medians of 5): forward+backward 954 ms padded against 1036 ms for the
