@@ -174,3 +174,4 @@ def test_threaded_kernel_on_two_threads_matches_loop(mode) -> None:
         torch.set_num_threads(threads)
     for a, b in zip(results["loop"], results["threaded"], strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+

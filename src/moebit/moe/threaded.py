@@ -18,6 +18,7 @@ thread count is process-wide, and at 2 threads each worker would start its own t
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ from moebit.moe.kernels import (
 )
 
 _POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
+_POOL_KEY: tuple[int, int] = (0, 0)  # (process id, workers): a forked child makes its own
 _POOL_LOCK = threading.Lock()
 
 
@@ -45,14 +46,16 @@ def _one_thread() -> None:
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
+    """The worker pool of this process, of n threads (threads do not survive a fork)."""
+    global _POOL, _POOL_KEY
+    key = (os.getpid(), n)
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE != n:
-            if _POOL is not None:
+        if _POOL is None or _POOL_KEY != key:
+            if _POOL is not None and _POOL_KEY[0] == key[0]:
                 _POOL.shutdown(wait=True)
             _POOL = ThreadPoolExecutor(n, thread_name_prefix="moebit-experts",
                                        initializer=_one_thread)
-            _POOL_SIZE = n
+            _POOL_KEY = key
         return _POOL
 
 
