@@ -12,7 +12,7 @@ from moebit.moe import MoE, MoEConfig
 from moebit.moe.experts import Experts
 
 TYPES = [("gelu_mlp", True), ("gelu_mlp", False), ("swiglu", False), ("geglu", False)]
-KERNELS = ["loop", "padded", "grouped"]
+KERNELS = ["loop", "padded", "grouped", "threaded"]
 
 
 def _named_grads(module: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -71,7 +71,7 @@ def test_kernels_agree_on_empty_groups_and_odd_widths(expert_type, bias, counts,
         (y.float() * g.float()).sum().backward()
         results[kernel] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in ex.parameters()]
     tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    for kernel in ("padded", "grouped"):
+    for kernel in ("padded", "grouped", "threaded"):
         for a, b in zip(results["loop"], results[kernel], strict=True):
             assert torch.allclose(a, b, **tol), kernel
     for e, n in enumerate(counts):
@@ -113,10 +113,12 @@ def test_experts_init_is_rank_independent_for_every_type() -> None:
 
 def test_auto_kernel_rule_and_grouped_errors() -> None:
     ex = Experts(4, 8, 16, expert_type="swiglu")
-    assert ex.choose_kernel([10, 10, 9, 10]) == "padded"
-    assert ex.choose_kernel([400, 400, 400, 400]) == "loop"
-    assert ex.choose_kernel([40, 1, 1, 1]) == "loop"
+    assert ex.choose_kernel([10, 10, 9, 10], threads=1) == "padded"
+    assert ex.choose_kernel([400, 400, 400, 400], threads=1) == "loop"
+    assert ex.choose_kernel([40, 1, 1, 1], threads=1) == "loop"
     assert ex.choose_kernel([0, 0, 0, 0]) == "loop"
+    assert ex.choose_kernel([10, 10, 9, 10], threads=2) == "threaded"  # CPU, several threads
+    assert ex.choose_kernel([40, 1, 0, 1], threads=4) == "threaded"
     ex.kernel = "grouped"
     assert ex.choose_kernel([40, 1, 0, 1]) == "grouped"
     with pytest.raises(ValueError, match="kernel = 'grouped'"):
@@ -141,3 +143,35 @@ def test_bfloat16_autocast_for_every_type(expert_type: str) -> None:
         auto = moe(x).hidden
     assert auto.dtype == torch.bfloat16
     assert ((auto.float() - ref).norm() / ref.norm()) < 0.03
+
+
+@pytest.mark.parametrize("mode", ["train", "no_grad", "inference"])
+def test_threaded_kernel_on_two_threads_matches_loop(mode) -> None:
+    """Experts spread over 2 worker threads: the loop's results (to float rounding: MKL
+    splits a GEMM differently on 1 and 2 threads), under grad, no_grad and inference mode."""
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    ex = Experts(5, 16, 24, expert_type="swiglu")
+    counts = [9, 0, 30, 4, 17]
+    x = torch.randn(sum(counts), 16, requires_grad=mode == "train")
+    results = {}
+    try:
+        torch.set_num_threads(2)
+        for kernel in ("loop", "threaded"):
+            ex.kernel = kernel
+            ex.zero_grad()
+            if mode == "train":
+                y = ex(x, counts)
+                y.square().sum().backward()
+                results[kernel] = [y.detach(), x.grad.clone()] + [p.grad for p in ex.parameters()]
+                x.grad = None
+            else:
+                ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+                with ctx:
+                    results[kernel] = [ex(x, counts).clone()]
+        assert torch.get_num_threads() == 2  # restored after the workers ran
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(results["loop"], results["threaded"], strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+

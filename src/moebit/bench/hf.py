@@ -4,10 +4,11 @@ transformers builds a random Mixtral (d 512, 4 layers, 8 heads, SwiGLU experts o
 1360, top-2, byte vocabulary), saves it, and ``moebit.hf.from_pretrained`` loads the very
 same weights. Then, interleaved rep by rep so that a busy host slows both alike:
 
-- forward+backward of the whole model on B x T tokens (transformers with
-  ``_experts_implementation = "grouped_mm"``, its fastest, and SDPA attention);
-- one MoE block forward+backward, and the attention of one layer (the breakdown);
-- one ``torch.optim.AdamW(fused=True)`` step on each model's parameters;
+- a whole training step: forward+backward of the whole model on B x T tokens
+  (transformers with ``_experts_implementation = "grouped_mm"``, its fastest, and SDPA
+  attention) and one ``torch.optim.AdamW(fused=True)`` step, with its breakdown
+  (attention, MoE, rest, optimizer) timed inside that same step (``hf_train.py``);
+- the same forward+backward under bfloat16 CPU autocast;
 - decode latency per step: transformers ``generate`` with a static cache against
   ``moebit.generate.generate_tokens`` with float32 experts and with int8 experts
   (``moebit.quantize``), greedy, batch 1 and 16, with each one's speed-up; and how far int8
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from moebit.bench.hf_train import bf16_rows, train_rows
 from moebit.generate import generate_tokens
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config
 from moebit.quantize import quantize_experts_
@@ -64,60 +66,11 @@ def _time(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(fns: dict[str, Any], reps: int) -> dict[str, float]:
-    """Median ms of each function, one rep of each in turn (the first call is a warm-up)."""
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            times[k].append(_time(f))
-    return {k: round(1e3 * statistics.median(v), 1) for k, v in times.items()}
-
-
 def _train_parts(hf: Any, mb: Any, ids: torch.Tensor, reps: int) -> dict[str, float]:
-    def hf_step() -> None:
-        hf(ids, labels=ids, output_router_logits=True).loss.backward()  # loss + aux loss
-
-    def mb_step() -> None:
-        out = mb(ids, ids)
-        (out.loss + out.aux_loss).backward()
-
-    x = torch.randn(ids.shape[0], ids.shape[1], hf.config.hidden_size, requires_grad=True)
-    hf_moe, mb_moe = hf.model.layers[0].mlp, mb.blocks[0].mlp
-
-    def hf_block() -> None:
-        hf_moe(x).sum().backward()
-
-    def mb_block() -> None:
-        mb_moe(x).hidden.sum().backward()
-
-    res = _interleaved({"hf_fwd_bwd": hf_step, "moebit_fwd_bwd": mb_step,
-                        "hf_moe_block": hf_block, "moebit_moe_block": mb_block}, reps)
-    res.update(_attention_and_optimizer(hf, mb, x, reps))
+    """The whole training step with its breakdown, then the bf16 autocast pair (hf_train.py)."""
+    res = train_rows(hf, mb, ids, reps)
+    res.update(bf16_rows(hf, mb, ids, reps))
     return res
-
-
-def _attention_and_optimizer(hf: Any, mb: Any, x: torch.Tensor, reps: int) -> dict[str, float]:
-    b, t, _ = x.shape
-    pos = torch.arange(t)[None].expand(b, t)
-    cos_sin = mb._cos_sin(pos)
-    attn = mb.blocks[0].self_attn
-
-    def mb_attn() -> None:
-        attn(x, cos_sin).sum().backward()
-
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for name, m in
-            (("hf", hf), ("moebit", mb))}
-    for m in (hf, mb):
-        for p in m.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
-    out = _interleaved({"moebit_attention_layer": mb_attn,
-                        "hf_adamw_fused": opts["hf"].step,
-                        "moebit_adamw_fused": opts["moebit"].step}, reps)
-    for m in (hf, mb):
-        m.zero_grad(set_to_none=True)
-    return out
 
 
 def _decode(hf: Any, models: dict[str, Any], batch: int, new: int, reps: int) -> dict[str, float]:

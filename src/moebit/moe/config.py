@@ -19,7 +19,7 @@ from moebit.comm.all_to_all import check_wire_dtype
 DROP_POLICIES = ("position", "random")
 NOISE_POLICIES = ("none", "jitter", "rsample")
 EXPERT_TYPES = ("gelu_mlp", "swiglu", "geglu")  # gated types: down(act(x W_gate) * (x W_up))
-KERNELS = ("auto", "loop", "padded", "grouped")
+KERNELS = ("auto", "loop", "padded", "grouped", "threaded")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 # DeepSpeed (deepspeed.moe.layer.MoE) and other common spellings -> our field names.
@@ -88,7 +88,8 @@ class MoEConfig:
     shared_expert_intermediate_size: width of that MLP; 0 means ``d_ffn * num_shared_experts``
         (Qwen2-MoE / Megatron name it so).
     shared_expert_gate: Qwen2-MoE's per-token ``sigmoid(Linear(d, 1))`` factor on it.
-    kernel: how the routed experts run: "loop", "padded", "grouped" (torch grouped_mm) or
+    kernel: how the routed experts run: "loop", "padded", "grouped" (torch grouped_mm),
+        "threaded" (experts spread over CPU threads, one single-threaded GEMM each) or
         "auto" (chosen per call from measured rules, see ``moebit.moe.experts``).
     Routing (docs/moe-routing.md), defaults = the GShard/Switch router above:
     scoring_func: "softmax" or "sigmoid" (DeepSeek-V3) expert scores.

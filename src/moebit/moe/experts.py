@@ -13,11 +13,22 @@ Names and shapes (E = local experts, d = d_model, f = d_ffn; suffixes give the l
   (``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``) by stacking
   [gate; up] rows.
 
-Kernels (``kernel``; the code is in ``moebit.moe.kernels`` and ``moebit.moe.grouped``):
-"loop" (one matmul per expert on exactly its rows), "padded" (batched matmuls over blocks
-padded to the largest), "grouped" (``torch.nn.functional.grouped_mm``) and "auto".
+Kernels (``kernel``; the code is in ``moebit.moe.kernels``, ``moebit.moe.threaded`` and
+``moebit.moe.grouped``): "loop" (one matmul per expert on exactly its rows), "threaded"
+(the loop's experts spread over the CPU threads, each GEMM single-threaded), "padded"
+(batched matmuls over blocks padded to the largest), "grouped"
+(``torch.nn.functional.grouped_mm``) and "auto".
 
-What "auto" picks, from measurements (docs/benchmarks.md, 2 threads, d 512, f 2048):
+What "auto" picks on CPU with more than one intra-op thread: "threaded". Measured in
+process, interleaved, on a loaded 2-core host (issue 16, SwiGLU d 512, f 1360, top-2,
+dropless): the Mixtral MoE block forward+backward on 2048 tokens over 16 experts took
+1204 ms (median; best 962) against 2851 ms for the loop and 2353 ms for transformers'
+grouped_mm experts, using 663 ms of CPU against 1650 and 1488 (the loop's and
+grouped_mm's per-expert GEMMs split over 2 threads spend the rest waiting at barriers);
+in inference mode at E=64 it was faster than the loop from 1 token to 512 (best of 15).
+
+What "auto" picks with one thread, from measurements (docs/benchmarks.md, 2 threads at
+the time, d 512, f 2048):
 
 - padded against loop, on the whole GELU layer (4096 tokens, top-2 over 64 experts,
   capacity factor 1, medians of 5): forward+backward 954 ms padded against 1036 ms for the
@@ -46,8 +57,10 @@ from torch import nn
 
 from moebit.moe.grouped import _GroupedExperts, grouped_mm_supported
 from moebit.moe.kernels import EXPERT_TYPES, _LoopExperts, _PaddedExperts
+from moebit.moe.threaded import _ThreadedExperts
 
-_KERNEL_FNS = {"loop": _LoopExperts, "padded": _PaddedExperts, "grouped": _GroupedExperts}
+_KERNEL_FNS = {"loop": _LoopExperts, "padded": _PaddedExperts, "grouped": _GroupedExperts,
+               "threaded": _ThreadedExperts}
 
 
 class Experts(nn.Module):
@@ -68,7 +81,7 @@ class Experts(nn.Module):
     so skewed or dropless routing never pads E x S rows.
     """
 
-    KERNELS = ("auto", "loop", "padded", "grouped")
+    KERNELS = ("auto", "loop", "padded", "grouped", "threaded")
 
     def __init__(
         self,
@@ -170,9 +183,10 @@ class Experts(nn.Module):
 
     def choose_kernel(
         self, counts: list[int], device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, threads: int | None = None,
     ) -> str:
-        """The kernel this call runs: ``kernel`` itself, or auto's measured rule."""
+        """The kernel this call runs: ``kernel`` itself, or auto's measured rule
+        (``threads``: the intra-op thread count; default ``torch.get_num_threads()``)."""
         if self.kernel not in self.KERNELS:
             raise ValueError(f"Experts.kernel must be one of {self.KERNELS}, got {self.kernel!r}")
         rows, n = sum(counts), len(counts)
@@ -189,12 +203,16 @@ class Experts(nn.Module):
             return self.kernel
         if torch.device(device).type == "cuda" and grouped_mm_supported(device, dtype):
             return "grouped"
+        threads = torch.get_num_threads() if threads is None else threads
+        if torch.device(device).type == "cpu" and threads > 1 and n > 1:
+            return "threaded"
         padded = (n > 1 and rows <= self.pad_below_rows * n
                   and n * max(counts) <= (1 + self.pad_limit) * rows)
         return "padded" if padded else "loop"
 
     def _use_padded(self, counts: list[int]) -> bool:
-        return self.choose_kernel(counts) == "padded"
+        """Whether the one-thread rule pads these blocks."""
+        return self.choose_kernel(counts, threads=1) == "padded"
 
     def extra_repr(self) -> str:
         return (f"{self.expert_type} experts {self.first_expert}.."

@@ -123,28 +123,79 @@ def _scale_(grad_scale: float, *ts: torch.Tensor | None) -> None:
                 t.mul_(grad_scale)
 
 
+def loop_buffers(x_ND, up, down, kind):
+    """(out, hpre, h, s) for the loop kernels: outputs and what backward needs."""
+    n_rows, d = x_ND.shape
+    out_ND = x_ND.new_empty(n_rows, d)
+    hpre_NF = x_ND.new_empty(n_rows, up.shape[2])
+    h_NF = x_ND.new_empty(n_rows, down.shape[1])
+    s_NF = torch.empty_like(h_NF) if is_gated(kind) else None
+    return out_ND, hpre_NF, h_NF, s_NF
+
+
+def expert_forward(e, r, x_ND, up, b_up, down, b_down, kind, out_ND, hpre_NF, h_NF, s_NF) -> None:
+    """Expert e on rows ``r``: writes its slices of out, hpre, h (and s)."""
+    _matmul_into(hpre_NF[r], x_ND[r], up[e], None if b_up is None else b_up[e])
+    act_into(kind, hpre_NF[r], h_NF[r], None if s_NF is None else s_NF[r])
+    _matmul_into(out_ND[r], h_NF[r], down[e], None if b_down is None else b_down[e])
+
+
+def expert_backward(e, r, saved, g_ND, grads, kind) -> None:
+    """Expert e's share of backward: its weight gradients, and its rows of gx (if wanted).
+
+    ``saved`` = (x, up, down, hpre, h, s), ``grads`` = (gx or None, gw_up, gb_up, gw_down,
+    gb_down), every one written only at expert e's slot or rows ``r`` (so experts can run
+    concurrently). An expert without rows (``r`` empty) gets zero gradients.
+    """
+    x_ND, up, down, hpre_NF, h_NF, s_NF = saved
+    gx_ND, gw_up, gb_up, gw_down, gb_down = grads
+    if r.start == r.stop:
+        for t in (gw_up, gw_down, gb_up, gb_down):
+            if t is not None:
+                t[e].zero_()
+        return
+    g_nD = g_ND[r]
+    _wgrad_into(gw_down[e], h_NF[r], g_nD, kind)
+    if gb_down is not None:
+        torch.sum(g_nD, 0, out=gb_down[e])
+    gh_nF = act_backward(kind, torch.mm(g_nD, down[e].t()), hpre_NF[r],
+                         None if s_NF is None else s_NF[r])
+    _wgrad_into(gw_up[e], x_ND[r], gh_nF, kind)
+    if gb_up is not None:
+        torch.sum(gh_nF, 0, out=gb_up[e])
+    if gx_ND is not None:
+        torch.mm(gh_nF, up[e].t(), out=gx_ND[r])
+
+
+def row_slices(counts: list[int]) -> list[slice]:
+    """Expert e's rows [sum(counts[:e]), sum(counts[:e+1])) as slices."""
+    out, start = [], 0
+    for n in counts:
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def backward_grads(ctx, x_ND, up, down, w_up, w_down):
+    """Empty (gx or None, gw_up, gb_up, gw_down, gb_down) for a loop kernel's backward."""
+    gx_ND = torch.empty_like(x_ND) if ctx.needs_input_grad[0] else None
+    gb_up, gb_down = _bias_grads(up, down, ctx.has_bias)
+    return gx_ND, torch.empty_like(w_up), gb_up, torch.empty_like(w_down), gb_down
+
+
 class _LoopExperts(torch.autograd.Function):
     """Every local expert on its contiguous row block, one matmul per projection and expert."""
 
     @staticmethod
     def forward(ctx, x_ND, w_up, b_up, w_down, b_down, counts, grad_scale, kind):  # type: ignore[override]
         up, down = _up(w_up, kind), _down(w_down, kind)
-        n_rows, d = x_ND.shape
-        out_ND = x_ND.new_empty(n_rows, d)
-        hpre_NF = x_ND.new_empty(n_rows, up.shape[2])
-        h_NF = x_ND.new_empty(n_rows, down.shape[1])
-        s_NF = torch.empty_like(h_NF) if is_gated(kind) else None
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                r = slice(start, start + n)
-                _matmul_into(hpre_NF[r], x_ND[r], up[e], None if b_up is None else b_up[e])
-                act_into(kind, hpre_NF[r], h_NF[r], None if s_NF is None else s_NF[r])
-                _matmul_into(out_ND[r], h_NF[r], down[e], None if b_down is None else b_down[e])
-                start += n
-        ctx.save_for_backward(x_ND, w_up, w_down, hpre_NF, h_NF, s_NF)
+        bufs = loop_buffers(x_ND, up, down, kind)
+        for e, r in enumerate(row_slices(counts)):
+            if r.start != r.stop:
+                expert_forward(e, r, x_ND, up, b_up, down, b_down, kind, *bufs)
+        ctx.save_for_backward(x_ND, w_up, w_down, *bufs[1:])
         ctx.counts, ctx.grad_scale, ctx.kind, ctx.has_bias = counts, grad_scale, kind, b_up is not None
-        return out_ND
+        return bufs[0]
 
     @staticmethod
     def backward(ctx, g_ND):  # type: ignore[override]
@@ -152,30 +203,11 @@ class _LoopExperts(torch.autograd.Function):
         kind = ctx.kind
         up, down = _up(w_up, kind), _down(w_down, kind)
         g_ND = g_ND.contiguous()
-        need_x = ctx.needs_input_grad[0]
-        gx_ND = torch.empty_like(x_ND) if need_x else None
-        gw_up, gw_down = torch.empty_like(w_up), torch.empty_like(w_down)
-        gb_up, gb_down = _bias_grads(up, down, ctx.has_bias)
-        start = 0
-        for e, n in enumerate(ctx.counts):
-            if not n:
-                for t in (gw_up, gw_down, gb_up, gb_down):
-                    if t is not None:
-                        t[e].zero_()
-                continue
-            r = slice(start, start + n)
-            start += n
-            g_nD = g_ND[r]
-            _wgrad_into(gw_down[e], h_NF[r], g_nD, kind)
-            if gb_down is not None:
-                torch.sum(g_nD, 0, out=gb_down[e])
-            gh_nF = act_backward(kind, torch.mm(g_nD, down[e].t()), hpre_NF[r],
-                                 None if s_NF is None else s_NF[r])
-            _wgrad_into(gw_up[e], x_ND[r], gh_nF, kind)
-            if gb_up is not None:
-                torch.sum(gh_nF, 0, out=gb_up[e])
-            if need_x:
-                torch.mm(gh_nF, up[e].t(), out=gx_ND[r])
+        grads = backward_grads(ctx, x_ND, up, down, w_up, w_down)
+        saved = (x_ND, up, down, hpre_NF, h_NF, s_NF)
+        for e, r in enumerate(row_slices(ctx.counts)):
+            expert_backward(e, r, saved, g_ND, grads, kind)
+        gx_ND, gw_up, gb_up, gw_down, gb_down = grads
         _scale_(ctx.grad_scale, gw_up, gb_up, gw_down, gb_down)
         return gx_ND, gw_up, gb_up, gw_down, gb_down, None, None, None
 
