@@ -131,6 +131,10 @@ def _one_step(name: str, model: Any, opt: Any, timer: PartTimer, ids: torch.Tens
             "rest": t1 - t0 - att - moe, "optimizer": t2 - t1}
 
 
+def _order(rep: int) -> tuple[str, str]:
+    return ("hf", "moebit") if rep % 2 else ("moebit", "hf")
+
+
 def train_rows(hf: Any, mb: Any, ids: torch.Tensor, reps: int) -> dict[str, float]:
     """Median ms of every part of the whole step, per model (module docstring)."""
     models = {"hf": hf, "moebit": mb}
@@ -143,8 +147,8 @@ def train_rows(hf: Any, mb: Any, ids: torch.Tensor, reps: int) -> dict[str, floa
         timers[k].attach(moe, "moe")
     runs: dict[str, list[dict]] = {k: [] for k in models}
     for rep in range(reps + 1):  # rep 0 warms up (and creates the optimizer state)
-        for k, m in models.items():
-            r = _one_step(k, m, opts[k], timers[k], ids)
+        for k in _order(rep):  # who goes first alternates: neither gets the warmer caches
+            r = _one_step(k, models[k], opts[k], timers[k], ids)
             if rep:
                 runs[k].append(r)
     for t in timers.values():
@@ -165,7 +169,8 @@ def bf16_rows(hf: Any, mb: Any, ids: torch.Tensor, reps: int) -> dict[str, float
     times: dict[str, list[float]] = {"hf": [], "moebit": []}
     models = {"hf": hf, "moebit": mb}
     for rep in range(reps + 1):
-        for k, m in models.items():
+        for k in _order(rep):
+            m = models[k]
             m.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16):
