@@ -117,8 +117,11 @@ def test_auto_kernel_rule_and_grouped_errors() -> None:
     assert ex.choose_kernel([400, 400, 400, 400], threads=1) == "loop"
     assert ex.choose_kernel([40, 1, 1, 1], threads=1) == "loop"
     assert ex.choose_kernel([0, 0, 0, 0]) == "loop"
-    assert ex.choose_kernel([10, 10, 9, 10], threads=2) == "threaded"  # CPU, several threads
-    assert ex.choose_kernel([40, 1, 0, 1], threads=4) == "threaded"
+    # CPU, several threads: threaded for training-sized blocks, not for decode's few rows
+    assert ex.choose_kernel([100, 100, 90, 100], threads=2) == "threaded"
+    assert ex.choose_kernel([300, 1, 0, 1], threads=4) == "threaded"
+    assert ex.choose_kernel([10, 10, 9, 10], threads=2) == "padded"
+    assert ex.choose_kernel([2, 1, 0, 0], threads=2) == "loop"
     ex.kernel = "grouped"
     assert ex.choose_kernel([40, 1, 0, 1]) == "grouped"
     with pytest.raises(ValueError, match="kernel = 'grouped'"):

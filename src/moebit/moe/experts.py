@@ -25,7 +25,11 @@ dropless): the Mixtral MoE block forward+backward on 2048 tokens over 16 experts
 1204 ms (median; best 962) against 2851 ms for the loop and 2353 ms for transformers'
 grouped_mm experts, using 663 ms of CPU against 1650 and 1488 (the loop's and
 grouped_mm's per-expert GEMMs split over 2 threads spend the rest waiting at barriers);
-in inference mode at E=64 it was faster than the loop from 1 token to 512 (best of 15).
+in inference mode at E=64 it was faster than the loop from 1 token to 512 (best of 15),
+but decoding the 4-layer Mixtral of issue 16 at E=16 on a quiet host (one process,
+interleaved, medians of 3) it was slower: 10.6 against 7.0 ms per step at batch 1, 56.6
+against 40.1 ms at batch 16 (1-3 rows per expert), so auto takes it only for blocks of at
+least ``threaded_min_rows`` = 64 rows on average.
 
 What "auto" picks with one thread, from measurements (docs/benchmarks.md, 2 threads at
 the time, d 512, f 2048):
@@ -121,6 +125,9 @@ class Experts(nn.Module):
         self.kernel = kernel
         self.pad_limit = 0.25
         self.pad_below_rows = 192
+        # threaded only for blocks of at least this many rows on average (training, long
+        # prefills): at decode's 1-3 rows per expert its hand-off costs more than it saves
+        self.threaded_min_rows = 64
         kw = {"dtype": dtype, "device": device}
         if gated:
             self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * d_ffn, d_model, **kw))
@@ -204,7 +211,9 @@ class Experts(nn.Module):
         if torch.device(device).type == "cuda" and grouped_mm_supported(device, dtype):
             return "grouped"
         threads = torch.get_num_threads() if threads is None else threads
-        if torch.device(device).type == "cpu" and threads > 1 and n > 1:
+        busy = sum(1 for c in counts if c)
+        if (torch.device(device).type == "cpu" and threads > 1 and busy > 1
+                and rows >= self.threaded_min_rows * busy):
             return "threaded"
         padded = (n > 1 and rows <= self.pad_below_rows * n
                   and n * max(counts) <= (1 + self.pad_limit) * rows)
