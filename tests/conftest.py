@@ -1,4 +1,5 @@
-"""Shared fixtures: a small real-text corpus (stdlib sources) for fast training tests."""
+"""Shared fixtures: a small real-text corpus (stdlib sources) for fast training tests, and
+one intra-op thread for tests that compare kernels (``pytestmark = usefixtures("one_thread")``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
         dst.write_bytes(data)
         total += len(data)
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): kernel choices and float sums
+    then do not depend on the machine's core count."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,12 +29,7 @@ from moebit.quantize import Int8Experts, dequantize, int8_linear, quantize_exper
 LIPSCHITZ = {"swiglu": 1.1, "geglu": 1.13, "gelu_mlp": 1.13}  # max |silu'| = 1.0998, |gelu'| = 1.129
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def linear_bound(x, q_NK, s_N, y_ref, bf16: bool) -> torch.Tensor:

@@ -18,12 +18,7 @@ from moebit.models.kv_cache import KVCache
 KINDS = ["dense", "moe", "pr-moe"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(kind: str) -> GPT:

@@ -40,12 +40,7 @@ def sharpen_(m: torch.nn.Module) -> None:
             p.normal_(0.0, p.shape[1] ** -0.5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

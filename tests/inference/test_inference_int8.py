@@ -21,13 +21,7 @@ from moebit.generate import generate
 from moebit.moe.experts import Experts
 from moebit.quantize import Int8Experts, dequantize, int8_linear, quantize_experts_, quantize_per_channel
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bound(x: torch.Tensor, q_NK: torch.Tensor, s_N: torch.Tensor, y: torch.Tensor, bf16: bool):
