@@ -18,13 +18,9 @@ Bit convention everywhere: bit k of byte j holds element 8*j+k, set where the va
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
+
+from moebit.comm._native import compile_library, native_enabled
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -237,46 +233,8 @@ void mb_error(const float *y, float s, int64_t n, float *err) {
 }
 """
 
-_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno"]
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("MOEBIT_NATIVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "moebit", "native"
-    )
-    try:
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    base = os.path.join(tempfile.gettempdir(), f"moebit-native-{os.getuid()}")
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    return base
-
-
-def _build(path: str) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    d = os.path.dirname(path)
-    src = os.path.join(d, f"bitpack-{os.getpid()}.c")
-    tmp = path + f".tmp{os.getpid()}"
-    with open(src, "w") as f:
-        f.write(_SOURCE)
-    try:
-        res = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, src], capture_output=True, text=True, timeout=120
-        )
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        for p in (src, tmp):
-            if os.path.exists(p):
-                os.remove(p)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -301,20 +259,10 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("MOEBIT_NATIVE", "1") == "0" or platform.system() != "Linux":
+    if not native_enabled():
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + platform.machine()).encode()).hexdigest()
     try:
-        import fcntl  # POSIX only, like the rest of this path
-
-        d = _cache_dir()
-        path = os.path.join(d, f"libmoebit_bitpack_{key[:16]}.so")
-        if not os.path.exists(path):
-            with open(os.path.join(d, "build.lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not os.path.exists(path):
-                    _build(path)
-        lib = ctypes.CDLL(path)
+        lib = compile_library("bitpack", _SOURCE)
         _declare(lib)
         lib.mb_init()
     except Exception as e:  # noqa: BLE001 - any failure means: use the portable path

@@ -7,7 +7,7 @@ at 1 Gbit/s, and every rank pays it on every exchange. These loops do one pass p
 each way (absmax, scale, round half to even, pack the scale after the row's bytes), with
 results identical to the torch path in ``moebit.comm.all_to_all`` (tested).
 
-Built and cached like ``moebit.comm._bitpack_c`` (same cache folder, same
+Built and cached by ``moebit.comm._native``, like the bit-packing kernels (same cache, same
 ``MOEBIT_NATIVE=0`` switch); without gcc ``load()`` returns None and the torch path runs.
 
 Row layout: d int8 values, then the row's float32 scale (absmax / 127) in 4 bytes. A row
@@ -18,16 +18,11 @@ than to finite numbers that would hide the fault.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
 import warnings
 
 import torch
 
-from moebit.comm._bitpack_c import _cache_dir
+from moebit.comm._native import compile_library, native_enabled
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -198,30 +193,10 @@ void rq_decode_bf16(const uint8_t *p, int64_t n, int64_t d, uint16_t *out) {
     }
 }
 """
-_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno"]
 _KERNELS = {torch.float32: ("rq_encode_f32", "rq_decode_f32"),
             torch.bfloat16: ("rq_encode_bf16", "rq_decode_bf16")}
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _build(path: str) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src, tmp = f"{path}.{os.getpid()}.c", f"{path}.tmp{os.getpid()}"
-    with open(src, "w") as f:
-        f.write(_SOURCE)
-    try:
-        res = subprocess.run([cc, *_FLAGS, "-o", tmp, src, "-lm"], capture_output=True,
-                             text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, path)  # atomic: ranks building at once never load a torn file
-    finally:
-        for p in (src, tmp):
-            if os.path.exists(p):
-                os.remove(p)
 
 
 def load() -> ctypes.CDLL | None:
@@ -230,14 +205,10 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("MOEBIT_NATIVE", "1") == "0" or platform.system() != "Linux":
+    if not native_enabled():
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + platform.machine()).encode()).hexdigest()
     try:
-        path = os.path.join(_cache_dir(), f"libmoebit_rowquant_{key[:16]}.so")
-        if not os.path.exists(path):
-            _build(path)
-        lib = ctypes.CDLL(path)
+        lib = compile_library("rowquant", _SOURCE, ["-lm"])
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         for name in ("rq_encode_f32", "rq_encode_bf16", "rq_decode_f32", "rq_decode_bf16"):
             getattr(lib, name).argtypes = [vp, i64, i64, vp]
