@@ -1,8 +1,12 @@
 """Tiny random transformers models of each family and a tiny tokenizer, made locally
-(nothing downloaded)."""
+(nothing downloaded); the moebit CLI in a subprocess and a small real-text corpus."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -54,3 +58,17 @@ def train_tokenizer(folder: Path, vocab_size: int = 320) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return folder / "tokenizer.json"
+
+
+def run_moebit(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    """``moebit ARGS`` in a subprocess, one thread per rank, its caches under ``tmp``."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "moebit.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=400, check=False)
+
+
+def text_corpus(tmp: Path, chars: int) -> Path:
+    """The first ``chars`` characters of the stdlib's argparse.py, as data.txt in ``tmp``."""
+    f = tmp / "data.txt"
+    f.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:chars])
+    return f

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hf_models import make_hf_model, train_tokenizer
+from hf_models import make_hf_model, run_moebit, text_corpus, train_tokenizer
 
 from moebit.data import load_corpus
 from moebit.hf.tokens import load_tokenizer, tokenize_corpus
@@ -20,23 +17,9 @@ from moebit.loading import load_model
 transformers = pytest.importorskip("transformers")
 
 
-def _moebit(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "moebit.cli", *args], env=env, text=True,
-                          capture_output=True, timeout=400, check=False)
-
-
-def _corpus(tmp: Path) -> Path:
-    import sysconfig
-
-    f = tmp / "data.txt"
-    f.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:40000])
-    return f
-
-
 def test_tokenized_corpus_is_cached_by_corpus_and_tokenizer(tmp_path):
     tok = train_tokenizer(tmp_path / "tok")
-    corpus = load_corpus(str(_corpus(tmp_path)))
+    corpus = load_corpus(str(text_corpus(tmp_path, 40000)))
     a = tokenize_corpus(corpus, tok, tmp_path / "cache")
     assert a.train.dtype == np.uint16 and len(list((tmp_path / "cache").iterdir())) == 2
     text = bytes(corpus.val).decode()
@@ -54,20 +37,20 @@ def test_train_ep2_resume_export_generate(tmp_path):
     make_hf_model("qwen2_moe", src, vocab_size=320)
     train_tokenizer(src)
     run = tmp_path / "run"
-    common = ["--init-from", str(src), "--data", str(_corpus(tmp_path)), "--block-size", "32",
+    common = ["--init-from", str(src), "--data", str(text_corpus(tmp_path, 40000)), "--block-size", "32",
               "--batch-size", "2", "--threads", "1", "--eval-every", "2", "--eval-batches", "1",
               "--dtype", "fp32", "--warmup-steps", "1", "--samples", "0"]
-    r = _moebit(["train", *common, "--steps", "2", "--nproc", "2", "--ep-size", "2",
+    r = run_moebit(["train", *common, "--steps", "2", "--nproc", "2", "--ep-size", "2",
                  "--optimizer", "onebit_adam", "--save-every", "2", "--run-dir", str(run)],
                 tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = json.loads(next(run.glob("checkpoints/*/manifest.json")).read_text())
     assert manifest["ep_size"] == 2 and manifest["model_config"]["model_type"] == "qwen2_moe"
-    r = _moebit(["train", "--resume", str(run), "--steps", "4", "--nproc", "2"], tmp_path)
+    r = run_moebit(["train", "--resume", str(run), "--steps", "4", "--nproc", "2"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     ends = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["steps"] for e in ends if e["kind"] == "end"][-1] == 4
-    r = _moebit(["export", str(run), "--to", str(tmp_path / "out")], tmp_path)
+    r = run_moebit(["export", str(run), "--to", str(tmp_path / "out")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     model = load_model(run)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -76,9 +59,9 @@ def test_train_ep2_resume_export_generate(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
         assert (orig(ids).logits - model(ids).logits).abs().max() > 1e-3  # it did train
-    r = _moebit(["eval", str(run)], tmp_path)  # scored on the tokenizer's ids
+    r = run_moebit(["eval", str(run)], tmp_path)  # scored on the tokenizer's ids
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _moebit(["generate", str(tmp_path / "out"), "--prompt", "def ", "--temperature", "0",
+    r = run_moebit(["generate", str(tmp_path / "out"), "--prompt", "def ", "--temperature", "0",
                  "--max-new-tokens", "5", "--threads", "1"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("def ")
@@ -96,7 +79,7 @@ def test_ranks_tokenizing_into_one_cache_at_once_all_succeed(tmp_path):
     import multiprocessing as mp
 
     tok = str(train_tokenizer(tmp_path / "tok"))
-    corpus = str(_corpus(tmp_path))
+    corpus = str(text_corpus(tmp_path, 40000))
     with mp.get_context("spawn").Pool(3) as pool:
         for i in range(3):
             cache = str(tmp_path / f"cache{i}")

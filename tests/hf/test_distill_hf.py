@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hf_models import make_hf_model, train_tokenizer
+from hf_models import make_hf_model, run_moebit, text_corpus, train_tokenizer
 
 from moebit.hf import HFDecoderConfig, from_pretrained, read_config
 from moebit.loading import load_model
@@ -112,22 +109,8 @@ def test_student_init_is_the_chosen_teacher_layers(family, n_student, tmp_path):
         torch.testing.assert_close(moebit_logits, want, atol=1e-4, rtol=0)
 
 
-def _moebit(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "moebit.cli", *args], env=env, text=True,
-                          capture_output=True, timeout=400, check=False)
-
-
 def _records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _data(tmp: Path) -> Path:
-    import sysconfig
-
-    data = tmp / "data.txt"
-    data.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:30000])
-    return data
 
 
 SMALL = ["--block-size", "16", "--batch-size", "2", "--threads", "1", "--eval-every", "2",
@@ -141,8 +124,8 @@ def test_distill_ep2_resume_export(tmp_path):
     make_hf_model("qwen3_moe", src, vocab_size=320, num_hidden_layers=4)  # MoE at 1, 3
     train_tokenizer(src)
     run = tmp_path / "run"
-    r = _moebit(["distill", "--teacher", str(src), "--student-layers", "2",
-                 "--data", str(_data(tmp_path)), *SMALL, "--steps", "2", "--teacher-dtype",
+    r = run_moebit(["distill", "--teacher", str(src), "--student-layers", "2",
+                 "--data", str(text_corpus(tmp_path, 30000)), *SMALL, "--steps", "2", "--teacher-dtype",
                  "fp32", "--kd-stop", "fraction", "--kd-stop-fraction", "1.0", "--nproc", "2",
                  "--ep-size", "2", "--save-every", "2", "--run-dir", str(run)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -152,7 +135,7 @@ def test_distill_ep2_resume_export(tmp_path):
     manifest = json.loads(next(run.glob("checkpoints/*/manifest.json")).read_text())
     assert manifest["ep_size"] == 2 and manifest["model_config"]["num_layers"] == 2
     assert manifest["model_config"]["hf"]["num_hidden_layers"] == 2
-    r = _moebit(["distill", "--resume", str(run), "--steps", "4", "--nproc", "2"], tmp_path)
+    r = run_moebit(["distill", "--resume", str(run), "--steps", "4", "--nproc", "2"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = _records(run)
     start = next(x for x in recs if x["kind"] == "start")
@@ -161,7 +144,7 @@ def test_distill_ep2_resume_export(tmp_path):
     kd = [x["kd_loss"] for x in recs if x["kind"] == "train"]
     assert len(kd) == 4 and all(v > 0 for v in kd)
     assert [x for x in recs if x["kind"] == "end"][-1]["kd_steps"] == 4
-    r = _moebit(["export", str(run), "--to", str(tmp_path / "out")], tmp_path)
+    r = run_moebit(["export", str(run), "--to", str(tmp_path / "out")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -182,16 +165,16 @@ def test_teacher_is_a_run_trained_init_from(tmp_path):
     make_hf_model("mixtral", src, vocab_size=320, num_hidden_layers=3)
     train_tokenizer(src)
     teacher_run = tmp_path / "teacher"
-    r = _moebit(["train", "--init-from", str(src), "--data", str(_data(tmp_path)), *SMALL,
+    r = run_moebit(["train", "--init-from", str(src), "--data", str(text_corpus(tmp_path, 30000)), *SMALL,
                  "--steps", "2", "--nproc", "1", "--samples", "0", "--run-dir", str(teacher_run)],
                 tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "run"
-    r = _moebit(["distill", "--teacher", str(teacher_run), "--student-layers", "2", "--steps", "2",
+    r = run_moebit(["distill", "--teacher", str(teacher_run), "--student-layers", "2", "--steps", "2",
                  "--nproc", "1", "--lr", "1e-4", "--run-dir", str(run)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["block_size"] == 16 and cfg["data"] == str(_data(tmp_path)) and cfg["lr"] == 1e-4
+    assert cfg["block_size"] == 16 and cfg["data"] == str(text_corpus(tmp_path, 30000)) and cfg["lr"] == 1e-4
     start = next(x for x in _records(run) if x["kind"] == "start")
     assert start["teacher_step"] == 2 and start["keep_layers"] == [0, 2]
     assert (run / "student-init" / "tokenizer.json").is_file()

@@ -4,14 +4,11 @@ into Mixtral, Qwen2-MoE, Qwen3-MoE and FlexOlmo, with transformers as the oracle
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hf_models import BASE, train_tokenizer
+from hf_models import BASE, run_moebit, text_corpus, train_tokenizer
 
 from moebit.cli.upcycle import main as upcycle_main
 from moebit.generate import generate_tokens
@@ -307,20 +304,6 @@ def test_cli_hf_only_flags_on_a_run_are_named(tmp_path, capsys):
     assert "--shared-expert: for Hugging Face folders only" in capsys.readouterr().err
 
 
-def _moebit(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "moebit.cli", *args], env=env, text=True,
-                          capture_output=True, timeout=400, check=False)
-
-
-def _corpus(tmp: Path) -> Path:
-    import sysconfig
-
-    f = tmp / "data.txt"
-    f.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:20000])
-    return f
-
-
 @pytest.mark.slow
 def test_tool_on_a_dense_folder_and_its_upcycled_copy(tmp_path):
     """generate and train a dense Qwen3 folder, eval its run, upcycle it with the CLI, and
@@ -328,25 +311,25 @@ def test_tool_on_a_dense_folder_and_its_upcycled_copy(tmp_path):
     dense = tmp_path / "dense"
     make_dense("qwen3", dense, vocab_size=320)
     train_tokenizer(dense)
-    r = _moebit(["generate", str(dense), "--prompt", "def ", "--temperature", "0",
+    r = run_moebit(["generate", str(dense), "--prompt", "def ", "--temperature", "0",
                  "--max-new-tokens", "4", "--threads", "1"], tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("def "), r.stderr[-3000:]
-    common = ["--data", str(_corpus(tmp_path)), "--block-size", "32", "--batch-size", "2",
+    common = ["--data", str(text_corpus(tmp_path, 20000)), "--block-size", "32", "--batch-size", "2",
               "--threads", "1", "--eval-every", "3", "--eval-batches", "1", "--dtype", "fp32",
               "--warmup-steps", "1", "--samples", "0", "--steps", "3", "--lr", "1e-3",
               "--log-every", "1"]
     losses = {}
     for name, src in (("dense", dense), ("up", tmp_path / "up")):
         if name == "up":
-            assert _moebit(["upcycle", str(dense), "--num-experts", "4", "--num-experts-per-tok",
+            assert run_moebit(["upcycle", str(dense), "--num-experts", "4", "--num-experts-per-tok",
                             "2", "--out", str(src)], tmp_path).returncode == 0
             assert (src / "tokenizer.json").is_file()
         run = tmp_path / f"run-{name}"
-        r = _moebit(["train", "--init-from", str(src), *common, "--run-dir", str(run)], tmp_path)
+        r = run_moebit(["train", "--init-from", str(src), *common, "--run-dir", str(run)], tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
         recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [x["loss"] for x in recs if x.get("kind") == "train"]
         assert [x["steps"] for x in recs if x["kind"] == "end"] == [3]
-    r = _moebit(["eval", str(tmp_path / "run-dense")], tmp_path)
+    r = run_moebit(["eval", str(tmp_path / "run-dense")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses["up"][0] == pytest.approx(losses["dense"][0], abs=1e-4)
