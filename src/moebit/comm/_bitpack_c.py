@@ -18,9 +18,8 @@ Bit convention everywhere: bit k of byte j holds element 8*j+k, set where the va
 from __future__ import annotations
 
 import ctypes
-import warnings
 
-from moebit.comm._native import compile_library, native_enabled
+from moebit.comm._native import open_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -237,40 +236,22 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    vp, i64, f32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
-    sigs = {
-        "mb_init": ([], None),
-        "mb_pack": ([vp, i64, vp], None),
-        "mb_unpack_scaled": ([vp, i64, f32, vp], None),
-        "mb_worker": ([vp, vp, f32, i64, vp], f64),
-        "mb_server": ([vp, i64, i64, vp, i64, vp, f32, vp], f64),
-        "mb_error": ([vp, f32, i64, vp], None),
-    }
-    for name, (args, res) in sigs.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = res
+_VP, _I64, _F32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+_SIGNATURES = {
+    "mb_init": ([], None),
+    "mb_pack": ([_VP, _I64, _VP], None),
+    "mb_unpack_scaled": ([_VP, _I64, _F32, _VP], None),
+    "mb_worker": ([_VP, _VP, _F32, _I64, _VP], _F64),
+    "mb_server": ([_VP, _I64, _I64, _VP, _I64, _VP, _F32, _VP], _F64),
+    "mb_error": ([_VP, _F32, _I64, _VP], None),
+}
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first use; None when unavailable (warns once)."""
     global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if not native_enabled():
-        return None
-    try:
-        lib = compile_library("bitpack", _SOURCE)
-        _declare(lib)
-        lib.mb_init()
-    except Exception as e:  # noqa: BLE001 - any failure means: use the portable path
-        warnings.warn(
-            f"moebit: native bit packing unavailable ({e}); using the slower torch/numpy path",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    _lib = lib
+    if not _tried:
+        _tried = True
+        _lib = open_library("bitpack", _SOURCE, _SIGNATURES, "bit packing",
+                            init=lambda lib: lib.mb_init())
     return _lib

@@ -16,8 +16,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
+from collections.abc import Callable
 
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno"]
+# a kernel's C signature: (argument types, result type)
+Signature = tuple[list[type], type | None]
 
 
 def native_enabled() -> bool:
@@ -71,3 +75,24 @@ def compile_library(name: str, source: str, libs: list[str] | None = None) -> ct
             if not os.path.exists(path):
                 _build(path, source, libs or [])
     return ctypes.CDLL(path)
+
+
+def open_library(name: str, source: str, signatures: dict[str, Signature], what: str,
+                 libs: list[str] | None = None,
+                 init: Callable[[ctypes.CDLL], None] | None = None) -> ctypes.CDLL | None:
+    """The library with its functions declared, or None (with one warning naming ``what``)
+    where native kernels are off or the build fails: callers then take their torch path."""
+    if not native_enabled():
+        return None
+    try:
+        lib = compile_library(name, source, libs)
+        for fn_name, (args, res) in signatures.items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes, fn.restype = args, res
+        if init is not None:
+            init(lib)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the portable path
+        warnings.warn(f"moebit: native {what} unavailable ({e}); using the torch path",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return lib

@@ -18,11 +18,10 @@ than to finite numbers that would hide the fault.
 from __future__ import annotations
 
 import ctypes
-import warnings
 
 import torch
 
-from moebit.comm._native import compile_library, native_enabled
+from moebit.comm._native import open_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -199,25 +198,17 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+_ROW_SIGNATURE = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None)
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None when unavailable (warns once)."""
     global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if not native_enabled():
-        return None
-    try:
-        lib = compile_library("rowquant", _SOURCE, ["-lm"])
-        vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name in ("rq_encode_f32", "rq_encode_bf16", "rq_decode_f32", "rq_decode_bf16"):
-            getattr(lib, name).argtypes = [vp, i64, i64, vp]
-            getattr(lib, name).restype = None
-    except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
-        warnings.warn(f"moebit: native int8 row quantization unavailable ({e}); using torch",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    _lib = lib
+    if not _tried:
+        _tried = True
+        names = [n for pair in _KERNELS.values() for n in pair]
+        _lib = open_library("rowquant", _SOURCE, dict.fromkeys(names, _ROW_SIGNATURE),
+                            "int8 row quantization", libs=["-lm"])
     return _lib
 
 
