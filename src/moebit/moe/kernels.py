@@ -32,6 +32,8 @@ the GELU backward would save memory but costs about 5% time); gated types also k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -183,33 +185,55 @@ def backward_grads(ctx, x_ND, up, down, w_up, w_down):
     return gx_ND, torch.empty_like(w_up), gb_up, torch.empty_like(w_down), gb_down
 
 
+def run_in_order(counts: list[int], job: Callable[[int, slice], None]) -> None:
+    """``job(e, rows)`` for every local expert, one after another."""
+    for e, r in enumerate(row_slices(counts)):
+        job(e, r)
+
+
+Runner = Callable[[list[int], Callable[[int, slice], None]], None]
+
+
+def loop_forward(ctx, run: Runner, x_ND, w_up, b_up, w_down, b_down, counts, grad_scale, kind):
+    """The loop kernels' forward: each expert on its row block, in the order ``run`` gives."""
+    up, down = _up(w_up, kind), _down(w_down, kind)
+    bufs = loop_buffers(x_ND, up, down, kind)
+
+    def job(e: int, r: slice) -> None:
+        if r.start != r.stop:
+            expert_forward(e, r, x_ND, up, b_up, down, b_down, kind, *bufs)
+
+    run(counts, job)
+    ctx.save_for_backward(x_ND, w_up, w_down, *bufs[1:])
+    ctx.counts, ctx.grad_scale, ctx.kind, ctx.has_bias = counts, grad_scale, kind, b_up is not None
+    return bufs[0]
+
+
+def loop_backward(ctx, run: Runner, g_ND):
+    """The loop kernels' backward: each expert's input and weight gradients into its slots."""
+    x_ND, w_up, w_down, hpre_NF, h_NF, s_NF = ctx.saved_tensors
+    kind = ctx.kind
+    up, down = _up(w_up, kind), _down(w_down, kind)
+    g_ND = g_ND.contiguous()
+    grads = backward_grads(ctx, x_ND, up, down, w_up, w_down)
+    saved = (x_ND, up, down, hpre_NF, h_NF, s_NF)
+    run(ctx.counts, lambda e, r: expert_backward(e, r, saved, g_ND, grads, kind))
+    gx_ND, gw_up, gb_up, gw_down, gb_down = grads
+    _scale_(ctx.grad_scale, gw_up, gb_up, gw_down, gb_down)
+    return gx_ND, gw_up, gb_up, gw_down, gb_down, None, None, None
+
+
 class _LoopExperts(torch.autograd.Function):
     """Every local expert on its contiguous row block, one matmul per projection and expert."""
 
     @staticmethod
     def forward(ctx, x_ND, w_up, b_up, w_down, b_down, counts, grad_scale, kind):  # type: ignore[override]
-        up, down = _up(w_up, kind), _down(w_down, kind)
-        bufs = loop_buffers(x_ND, up, down, kind)
-        for e, r in enumerate(row_slices(counts)):
-            if r.start != r.stop:
-                expert_forward(e, r, x_ND, up, b_up, down, b_down, kind, *bufs)
-        ctx.save_for_backward(x_ND, w_up, w_down, *bufs[1:])
-        ctx.counts, ctx.grad_scale, ctx.kind, ctx.has_bias = counts, grad_scale, kind, b_up is not None
-        return bufs[0]
+        return loop_forward(ctx, run_in_order, x_ND, w_up, b_up, w_down, b_down, counts,
+                            grad_scale, kind)
 
     @staticmethod
     def backward(ctx, g_ND):  # type: ignore[override]
-        x_ND, w_up, w_down, hpre_NF, h_NF, s_NF = ctx.saved_tensors
-        kind = ctx.kind
-        up, down = _up(w_up, kind), _down(w_down, kind)
-        g_ND = g_ND.contiguous()
-        grads = backward_grads(ctx, x_ND, up, down, w_up, w_down)
-        saved = (x_ND, up, down, hpre_NF, h_NF, s_NF)
-        for e, r in enumerate(row_slices(ctx.counts)):
-            expert_backward(e, r, saved, g_ND, grads, kind)
-        gx_ND, gw_up, gb_up, gw_down, gb_down = grads
-        _scale_(ctx.grad_scale, gw_up, gb_up, gw_down, gb_down)
-        return gx_ND, gw_up, gb_up, gw_down, gb_down, None, None, None
+        return loop_backward(ctx, run_in_order, g_ND)
 
 
 def _padded_slots(counts: list[int], cap: int, device: torch.device) -> torch.Tensor:

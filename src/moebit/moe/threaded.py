@@ -25,16 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moebit.moe.kernels import (
-    _down,
-    _scale_,
-    _up,
-    backward_grads,
-    expert_backward,
-    expert_forward,
-    loop_buffers,
-    row_slices,
-)
+from moebit.moe.kernels import loop_backward, loop_forward, row_slices
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_KEY: tuple[int, int] = (0, 0)  # (process id, workers): a forked child makes its own
@@ -100,28 +91,10 @@ class _ThreadedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, w_up, b_up, w_down, b_down, counts, grad_scale, kind):  # type: ignore[override]
-        up, down = _up(w_up, kind), _down(w_down, kind)
-        bufs = loop_buffers(x_ND, up, down, kind)
-
-        def job(e: int, r: slice) -> None:
-            if r.start != r.stop:
-                expert_forward(e, r, x_ND, up, b_up, down, b_down, kind, *bufs)
-
-        run_experts(counts, job)
-        ctx.save_for_backward(x_ND, w_up, w_down, *bufs[1:])
-        ctx.counts, ctx.grad_scale, ctx.kind, ctx.has_bias = counts, grad_scale, kind, b_up is not None
-        return bufs[0]
+        return loop_forward(ctx, run_experts, x_ND, w_up, b_up, w_down, b_down, counts,
+                            grad_scale, kind)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_ND):  # type: ignore[override]
-        x_ND, w_up, w_down, hpre_NF, h_NF, s_NF = ctx.saved_tensors
-        kind = ctx.kind
-        up, down = _up(w_up, kind), _down(w_down, kind)
-        g_ND = g_ND.contiguous()
-        grads = backward_grads(ctx, x_ND, up, down, w_up, w_down)
-        saved = (x_ND, up, down, hpre_NF, h_NF, s_NF)
-        run_experts(ctx.counts, lambda e, r: expert_backward(e, r, saved, g_ND, grads, kind))
-        gx_ND, gw_up, gb_up, gw_down, gb_down = grads
-        _scale_(ctx.grad_scale, gw_up, gb_up, gw_down, gb_down)
-        return gx_ND, gw_up, gb_up, gw_down, gb_down, None, None, None
+        return loop_backward(ctx, run_experts, g_ND)
