@@ -11,13 +11,20 @@ luck; every model starts from the same seed on every rank, as a real run does.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from moebit.checkpoint.train_state import save
 from moebit.comm import collectives
+from moebit.comm.collectives import DistInfo
+from moebit.config import build
+from moebit.data import TrainBatches
 from moebit.models import gpt
 
 
@@ -94,3 +101,18 @@ def poison_gpt_loss(rank: int, on_rank: int, at_call: int) -> None:
         return out
 
     gpt.GPT.forward = poisoned  # type: ignore[method-assign]
+
+
+def save_run(run: Path, settings: dict[str, Any], step: int = 1) -> gpt.GPT:
+    """A run folder holding one checkpoint (at ``step``) of a random model built from the
+    training ``settings``, as moebit train saves it; returns the model in eval mode."""
+    cfg = build({"samples": 0, **settings, "run_dir": str(run)})
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg.model_config())
+    opt = torch.optim.Adam(model.parameters())
+    batches = TrainBatches(np.arange(1000, dtype=np.uint8), 32, 2, 0, 0)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save(run, step, model, opt, batches, DistInfo(0, 1, 0, torch.device("cpu"), None), cfg,
+         wall=0.0, train_time=0.0)
+    return model.eval()

@@ -5,33 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from moebit.checkpoint import CheckpointError, latest
-from moebit.checkpoint.train_state import save
-from moebit.comm.collectives import DistInfo
-from moebit.config import build
-from moebit.data import TrainBatches
 from moebit.generate import generate
 from moebit.loading import load_model, resolve_checkpoint
 from moebit.models.gpt import GPT
 from moebit.testing import run_on_ranks
 
+from toys import save_run
+
 
 def _save_run(run: Path, **overrides) -> GPT:
-    cfg = build({"n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32, "samples": 0,
-                 "run_dir": str(run), **overrides})
-    torch.manual_seed(0)
-    model = GPT(cfg.model_config())
-    opt = torch.optim.Adam(model.parameters())
-    batches = TrainBatches(np.arange(1000, dtype=np.uint8), 32, 2, 0, 0)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    save(run, 7, model, opt, batches, DistInfo(0, 1, 0, torch.device("cpu"), None), cfg,
-         wall=0.0, train_time=0.0)
-    return model
+    return save_run(run, {"n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32,
+                          **overrides}, step=7)
 
 
 @pytest.fixture(scope="module")

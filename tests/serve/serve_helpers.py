@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,17 +10,15 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import torch
 
-from moebit.checkpoint.train_state import save
-from moebit.comm.collectives import DistInfo
 from moebit.config import build
-from moebit.data import TrainBatches
 from moebit.models.gpt import GPT
 from moebit.serve.engine import Engine, Event, Request
 from moebit.serve.sampling import SamplingParams
 from moebit.testing import free_port
+
+import toys
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -36,16 +33,7 @@ def tiny_model(seed: int = 0, **overrides) -> GPT:
 
 def save_run(run: Path, **overrides) -> GPT:
     """A run folder holding one checkpoint of a random tiny model (as moebit train saves it)."""
-    cfg = build({**TINY, "samples": 0, "run_dir": str(run), **overrides})
-    torch.manual_seed(0)
-    model = GPT(cfg.model_config())
-    opt = torch.optim.Adam(model.parameters())
-    batches = TrainBatches(np.arange(1000, dtype=np.uint8), 32, 2, 0, 0)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    save(run, 1, model, opt, batches, DistInfo(0, 1, 0, torch.device("cpu"), None), cfg,
-         wall=0.0, train_time=0.0)
-    return model.eval()
+    return toys.save_run(run, {**TINY, **overrides})
 
 
 class Collect:
