@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebit.data import stdlib_files
+from moebit.training.data import stdlib_files
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import pytest
 from moebit.cli.args import UsageError
 from moebit.cli.launch import check_rendezvous_port, prepare_run_dir, torchrun_args
 from moebit.cli.train import launch_training, parse_train_args
-from moebit.config import ConfigError, build, load_file
+from moebit.training.config import ConfigError, build, load_file
 
 
 def test_defaults_then_file_then_flags(tmp_path: Path):
@@ -69,20 +69,21 @@ def test_freeze_step_defaults_to_a_fifth_of_the_run():
 
 
 def test_torchrun_args_single_and_multi_node(tmp_path: Path):
-    single = torchrun_args({"nproc": 2}, "moebit.train", ["--resolved-config", str(tmp_path / "c.json")])
+    single = torchrun_args({"nproc": 2}, "moebit.training.loop",
+                           ["--resolved-config", str(tmp_path / "c.json")])
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "2"
     multi = torchrun_args(
         {"nproc": 1, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "127.0.0.1:1234"},
-        "moebit.train", ["--resolved-config", str(tmp_path / "c.json")],
+        "moebit.training.loop", ["--resolved-config", str(tmp_path / "c.json")],
     )
     assert "--standalone" not in multi
     assert multi[multi.index("--rdzv-endpoint") + 1] == "127.0.0.1:1234"
     with pytest.raises(UsageError, match="rdzv-endpoint"):
-        torchrun_args({"nnodes": 2}, "moebit.train", ["--resolved-config", str(tmp_path / "c.json")])
+        torchrun_args({"nnodes": 2}, "moebit.training.loop", ["--resolved-config", str(tmp_path / "c.json")])
 
 
 def test_launch_refuses_bad_data_before_writing_anything(tmp_path: Path):
-    from moebit.data import CorpusError
+    from moebit.training.data import CorpusError
 
     binary = tmp_path / "x.bin"
     binary.write_bytes(b"\x00\xff" * 100)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from moebit.cli.train import parse_train_args
-from moebit.config import FLAT_KEYS, ConfigError, build, load_file
 from moebit.models.gpt import GPT
 from moebit.moe import MoE, MoEConfig
+from moebit.training.config import FLAT_KEYS, ConfigError, build, load_file
 
 
 def test_every_moe_field_is_a_flag_that_reaches_the_layers():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from moebit.data import (
+from moebit.training.data import (
     CorpusError,
     TrainBatches,
     is_validation,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from moebit.cli.demo import LINKS, link_costs
-from moebit.train import summary_line
+from moebit.training.loop import summary_line
 
 
 def test_summary_line_reads_like_a_sentence():

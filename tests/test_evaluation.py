@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moebit.evaluation import evaluate
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.training.evaluation import evaluate
 
 
 def _model_and_batches() -> tuple[GPT, list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moebit.generate import generate
+from moebit.inference.generate import generate
+from moebit.inference.quantize import Int8Experts, dequantize, int8_linear, quantize_experts_, use_int8_kernel
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.moe import MoEConfig
 from moebit.moe.experts import Experts
 from moebit.moe.kernels import act_new, is_gated
-from moebit.quantize import Int8Experts, dequantize, int8_linear, quantize_experts_, use_int8_kernel
 
 LIPSCHITZ = {"swiglu": 1.1, "geglu": 1.13, "gelu_mlp": 1.13}  # max |silu'| = 1.0998, |gelu'| = 1.129
 

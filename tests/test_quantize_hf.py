@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebit.generate import generate_tokens
 from moebit.hf import from_pretrained
-from moebit.quantize import Int8Experts, quantize_experts_
+from moebit.inference.generate import generate_tokens
+from moebit.inference.quantize import Int8Experts, quantize_experts_
 from moebit.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")

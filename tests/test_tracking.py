@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from moebit import tracking
 from moebit.cli import main as cli_main
 from moebit.cli.train import parse_train_args
-from moebit.config import TrainConfig, build
+from moebit.runs import tracking
 from moebit.testing import run_on_ranks
+from moebit.training.config import TrainConfig, build
 
 NEEDS_TB = "tensorboard is an optional extra: pip install 'moebit[track]'"
 
@@ -31,7 +31,7 @@ def _read_events(log_dir: Path):
 
 def _train_body(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train as _train
+    from moebit.training.loop import train as _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
@@ -193,8 +193,8 @@ def test_a_resumed_run_replaces_the_steps_after_its_checkpoint(tmp_path: Path):
 def _distill_body(rank: int, world: int, t_dict: dict, t_run: str, s_dict: dict, d_dict: dict,
                   s_run: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.distill import DistillConfig, distill
-    from moebit.train import train as _train
+    from moebit.distill.run import DistillConfig, distill
+    from moebit.training.loop import train as _train
 
     _train(build(t_dict), Path(t_run), init_from_env("cpu"))
     Path(s_run).mkdir(parents=True, exist_ok=True)
@@ -203,7 +203,7 @@ def _distill_body(rank: int, world: int, t_dict: dict, t_run: str, s_dict: dict,
 
 def test_distillation_logs_kd_loss_and_the_kd_stop_event(small_corpus: Path, tmp_path: Path):
     pytest.importorskip("tensorboard", reason=NEEDS_TB)
-    from moebit.distill import DistillConfig, student_train_config
+    from moebit.distill.run import DistillConfig, student_train_config
 
     t_cfg = build({"data": str(small_corpus), "n_layer": 2, "n_head": 2, "d_model": 32,
                    "block_size": 32, "batch_size": 4, "steps": 4, "warmup_steps": 0,

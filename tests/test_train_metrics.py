@@ -4,10 +4,10 @@ from pathlib import Path
 
 import torch
 
-from moebit.checkpoint.train_state import Resumed
 from moebit.comm import stats
-from moebit.train import saved_totals
-from moebit.train_metrics import Meter, RunTotals
+from moebit.training.loop import saved_totals
+from moebit.training.meter import Meter, RunTotals
+from moebit.training.state import Resumed
 
 
 def test_totals_add_earlier_attempts_to_this_attempts_traffic() -> None:

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from moebit.checkpoint.train_state import save
 from moebit.comm import collectives
 from moebit.comm.collectives import DistInfo
-from moebit.config import build
-from moebit.data import TrainBatches
 from moebit.models import gpt
+from moebit.training.config import build
+from moebit.training.data import TrainBatches
+from moebit.training.state import save
 
 
 def regression_mlp(seed: int = 0, n_in: int = 10, hidden: int = 32) -> nn.Module:

@@ -27,9 +27,9 @@ import moebit_base.models.gpt as old_gpt
 import moebit_base.quantize as old_q
 import torch
 
-import moebit.generate as new_gen
+import moebit.inference.generate as new_gen
 import moebit.models.gpt as new_gpt
-import moebit.quantize as new_q
+import moebit.inference.quantize as new_q
 
 TEXT = b"def main(argv):\n    import os, sys\n    for name in sorted(os.listdir('.')):\n"
 

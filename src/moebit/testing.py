@@ -76,7 +76,7 @@ def _child(
         out.put((rank, False, traceback.format_exc()))
 
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "moebit.train"]
+_PRELOAD = ["torch", "torch.distributed", "numpy", "moebit.training.loop"]
 _ctx: Any = None
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from moebit.generate import generate, generate_tokens
+from moebit.inference.generate import generate, generate_tokens
 from moebit.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from moebit.config import build
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
 
 
 def _train_teacher(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
@@ -34,7 +34,7 @@ def distill_rank_pids(tag: str) -> dict[int, int]:
             env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"moebit.distill" not in cmd:
+        if b"moebit.distill.run" not in cmd:
             continue
         vars_ = dict(e.split(b"=", 1) for e in env if b"=" in e)
         if vars_.get(b"MOEBIT_TEST_TAG") == tag.encode() and b"RANK" in vars_:

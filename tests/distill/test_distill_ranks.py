@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebit.config import build
-from moebit.distill import DISTILL_FILE, DistillConfig, DistillError, student_train_config
+from moebit.distill.run import DISTILL_FILE, DistillConfig, DistillError, student_train_config
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
 
 
 def teacher_cfg(corpus: Path) -> dict:
@@ -22,8 +22,8 @@ def _teacher_then_students(rank: int, world: int, t_dict: dict, t_run: str, jobs
     """Train the teacher, then several distillations from it, in one spawn (one import of
     torch per rank); each job is (student config dict, distill dict, run folder)."""
     from moebit.comm.collectives import init_from_env
-    from moebit.distill import distill
-    from moebit.train import train
+    from moebit.distill.run import distill
+    from moebit.training.loop import train
 
     train(build(t_dict), Path(t_run), init_from_env("cpu"))
     out = []
@@ -115,7 +115,7 @@ def test_cli_launches_ranks_and_refuses_bad_students(distilled, tmp_path: Path):
     teacher_run = distilled[0]
     from moebit.cli.args import UsageError
     from moebit.cli.distill import main, parse_args
-    from moebit.report import report
+    from moebit.runs.report import report
 
     base = ["--teacher", str(teacher_run), "--student-layers", "2"]
     with pytest.raises(UsageError, match="--d-model cannot be set"):
@@ -142,8 +142,8 @@ def _distill_with_nan_on_rank1(rank: int, world: int, cfg_dict: dict, d_dict: di
     """Rank 1 alone gets a NaN loss at step 3, after 1-bit Adam's freeze: no exact gradient
     average, and no expert parallelism, so nothing carries the NaN to rank 0's gradients."""
     from moebit.comm.collectives import init_from_env
-    from moebit.distill import distill
-    from moebit.train import NonFiniteLoss
+    from moebit.distill.run import distill
+    from moebit.training.loop import NonFiniteLoss
 
     from toys import poison_gpt_loss
 

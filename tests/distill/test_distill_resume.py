@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moebit.checkpoint import latest
-from moebit.config import build
-from moebit.distill import DISTILL_FILE, DistillConfig, student_train_config
+from moebit.distill.run import DISTILL_FILE, DistillConfig, student_train_config
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
 
 N = 4  # the split run stops after N steps and resumes to 2N
 
@@ -29,8 +29,8 @@ class Interrupted(Exception):
 
 def _distill(rank: int, cfg_dict: dict, d_dict: dict, run_dir: str, stop_at: int | None):
     from moebit.comm.collectives import init_from_env
-    from moebit.distill import kd_stage
-    from moebit.train import train
+    from moebit.distill.run import kd_stage
+    from moebit.training.loop import train
 
     cfg, dcfg = build(cfg_dict), DistillConfig.from_dict(d_dict)
     info = init_from_env("cpu")
@@ -55,7 +55,7 @@ def _teacher_then_jobs(rank: int, world: int, t_dict: dict, t_run: str, jobs: li
     """The teacher, then distillations (student cfg, distill cfg, folder, stop_at); the
     ``nan_job`` last, with rank 1's training loss poisoned at its 3rd step."""
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     from toys import poison_gpt_loss
 

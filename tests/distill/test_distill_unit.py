@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from moebit.config import build
-from moebit.distill import (
+from moebit.distill.run import (
     DistillConfig,
     DistillError,
     check_compatible,
@@ -17,6 +16,7 @@ from moebit.distill import (
     student_train_config,
 )
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.training.config import build
 
 
 def _hand_kd(s: list[list[float]], t: list[list[float]], T: float) -> float:

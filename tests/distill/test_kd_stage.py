@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from moebit.comm.collectives import DistInfo
-from moebit.config import build
-from moebit.distill import DistillConfig, DistillError, KDStage
+from moebit.distill.run import DistillConfig, DistillError, KDStage
 from moebit.models.gpt import GPT, GPTConfig
-from moebit.train_hooks import Loop
+from moebit.training.config import build
+from moebit.training.hooks import Loop
 
 
 def _stage_and_loop(**dvals) -> tuple[KDStage, Loop, list[dict]]:

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from moebit.cli.eval import main, split_windows
-from moebit.config import build
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
 
 
 def _train_run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
@@ -51,7 +51,7 @@ def test_eval_of_an_ep2_run(small_corpus: Path, tmp_path: Path, capsys) -> None:
                  "--plot", str(png)]) == 0
     assert png.stat().st_size > 1000
     full, same = json.loads(out.read_text())
-    from moebit.data import load_corpus
+    from moebit.training.data import load_corpus
 
     assert full["windows"] == (len(load_corpus(str(small_corpus)).val) - 1) // 32
     assert full["val_loss"] == same["val_loss"] and 0 < full["val_loss"] < 5.6

@@ -31,7 +31,7 @@ class Launch:
                 env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"moebit.train" not in cmd:
+            if b"moebit.training.loop" not in cmd:
                 continue
             vars_ = dict(e.split(b"=", 1) for e in env if b"=" in e)
             if vars_.get(b"MOEBIT_TEST_TAG") == self.tag.encode() and b"RANK" in vars_:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from moebit.config import ConfigError, build
 from moebit.testing import run_on_ranks
+from moebit.training.config import ConfigError, build
 
 
 def _cfg(corpus: Path, **kw) -> dict:
@@ -20,7 +20,7 @@ def _cfg(corpus: Path, **kw) -> dict:
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import torch
 
-from moebit.config import build
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
 
 
 def moe_cfg(corpus: Path, **kw) -> dict:
@@ -19,7 +19,7 @@ def moe_cfg(corpus: Path, **kw) -> dict:
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
@@ -28,9 +28,9 @@ def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):
     """Load the newest checkpoint of ``src`` on this world/ep size, return logits on a
     fixed batch (and save the resharded model to ``dst``)."""
     from moebit.checkpoint import latest, read_manifest
-    from moebit.checkpoint.train_state import load_model_weights
     from moebit.comm.collectives import init_from_env
     from moebit.models.gpt import GPT
+    from moebit.training.state import load_model_weights
 
     cfg = build(cfg_dict)
     model = GPT(cfg.model_config())
@@ -41,9 +41,9 @@ def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):
     with torch.no_grad():
         logits = model(x).logits
     if dst is not None:
-        from moebit.checkpoint.train_state import save
-        from moebit.data import TrainBatches, load_corpus
-        from moebit.train import make_optimizer, param_groups
+        from moebit.training.data import TrainBatches, load_corpus
+        from moebit.training.loop import make_optimizer, param_groups
+        from moebit.training.state import save
 
         info = init_from_env("cpu")
         opt = make_optimizer(cfg, param_groups(model, cfg))

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from moebit.checkpoint import CheckpointError, latest
-from moebit.config import build
 from moebit.testing import RankFailed, run_on_ranks
+from moebit.training.config import build
 
 
 def _run(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 
@@ -91,11 +91,11 @@ def test_folder_without_manifest_is_ignored(saved_run: Path, tmp_path: Path):
 
 def _restore_in_process(run: Path, cfg: dict, rank: int, world: int):
     """Restore into fresh objects as rank ``rank`` would (same-size resume: no collectives)."""
-    from moebit.checkpoint.train_state import restore
     from moebit.comm.collectives import DistInfo
-    from moebit.data import TrainBatches, load_corpus
     from moebit.models.gpt import GPT
-    from moebit.train import make_optimizer, param_groups
+    from moebit.training.data import TrainBatches, load_corpus
+    from moebit.training.loop import make_optimizer, param_groups
+    from moebit.training.state import restore
 
     c = build(cfg)
     model = GPT(c.model_config())
@@ -134,11 +134,11 @@ def test_resume_into_another_model_is_an_error(saved_run: Path, small_corpus: Pa
 
 def test_reshard_dense_two_ranks_to_one(saved_run: Path, small_corpus: Path, tmp_path: Path):
     """2 ranks -> 1: the weights and Adam's moments carry over, and training continues."""
-    from moebit.checkpoint.train_state import restore
     from moebit.comm.collectives import DistInfo
-    from moebit.data import TrainBatches, load_corpus
     from moebit.models.gpt import GPT
-    from moebit.train import make_optimizer, param_groups
+    from moebit.training.data import TrainBatches, load_corpus
+    from moebit.training.loop import make_optimizer, param_groups
+    from moebit.training.state import restore
 
     c = build(cfg_for(small_corpus, resume=True))
     model = GPT(c.model_config())
@@ -179,7 +179,7 @@ def test_nan_loss_is_skipped_or_stops(small_corpus: Path, tmp_path: Path, policy
 def _run_with_nan(rank: int, world: int, cfg_dict: dict, run_dir: str, policy: str):
     """Rank 1 produces a NaN loss at step 3; every rank must take the same decision."""
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     from toys import poison_gpt_loss
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebit.config import build
 from moebit.testing import free_port, run_on_ranks
+from moebit.training.config import build
 
 
 def _train_body(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train
+    from moebit.training.loop import train
 
     cfg = build(cfg_dict)
     return train(cfg, Path(run_dir), init_from_env("cpu"))
@@ -28,9 +28,9 @@ def _params_body(rank: int, world: int, cfg_dict: dict):
     import torch.distributed as dist
 
     from moebit.comm.collectives import broadcast_params_
-    from moebit.data import TrainBatches, load_corpus
     from moebit.models.gpt import GPT
-    from moebit.train import average_gradients, clip_gradients, make_optimizer, param_groups
+    from moebit.training.data import TrainBatches, load_corpus
+    from moebit.training.loop import average_gradients, clip_gradients, make_optimizer, param_groups
 
     cfg = build(cfg_dict)
     torch.manual_seed(rank)  # different init per rank: broadcast must fix it

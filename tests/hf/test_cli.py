@@ -10,9 +10,10 @@ import pytest
 import torch
 from hf_models import make_hf_model, run_moebit, text_corpus, train_tokenizer
 
-from moebit.data import load_corpus
-from moebit.hf.tokens import load_tokenizer, tokenize_corpus
-from moebit.loading import load_model
+from moebit.inference.loading import load_model
+from moebit.models.hf.tokens import load_tokenizer
+from moebit.training.data import load_corpus
+from moebit.training.tokenized import tokenize_corpus
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +70,7 @@ def test_train_ep2_resume_export_generate(tmp_path):
 
 def _tokenize_into(args: tuple[str, str, str]) -> int:
     corpus_dir, tok, cache = args
-    from moebit.data import load_corpus
+    from moebit.training.data import load_corpus
 
     return len(tokenize_corpus(load_corpus(corpus_dir), tok, cache).train)
 

@@ -12,10 +12,8 @@ import pytest
 import torch
 from hf_models import make_hf_model, run_moebit, text_corpus, train_tokenizer
 
-from moebit.hf import HFDecoderConfig, from_pretrained, read_config
-from moebit.loading import load_model
-from moebit.students import DistillError
-from moebit.students_hf import (
+from moebit.distill.students import DistillError
+from moebit.distill.students_hf import (
     check_hf_keep,
     choose_hf_layers,
     find_hf_teacher,
@@ -23,6 +21,8 @@ from moebit.students_hf import (
     student_hf_dict,
     write_student,
 )
+from moebit.hf import HFDecoderConfig, from_pretrained, read_config
+from moebit.inference.loading import load_model
 
 transformers = pytest.importorskip("transformers")
 

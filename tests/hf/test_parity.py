@@ -8,9 +8,9 @@ import pytest
 import torch
 from hf_models import make_hf_model
 
-from moebit.generate import generate_tokens
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
-from moebit.hf.config import HFDecoderConfig
+from moebit.inference.generate import generate_tokens
+from moebit.models.hf.config import HFDecoderConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hf_models import make_hf_model
 
-from moebit.generate import generate_tokens
 from moebit.hf import from_pretrained, save_pretrained
-from moebit.hf.config import HFDecoderConfig
+from moebit.inference.generate import generate_tokens
+from moebit.models.hf.config import HFDecoderConfig
 from moebit.models.rope import parse_rope, rope_frequencies
 
 transformers = pytest.importorskip("transformers")

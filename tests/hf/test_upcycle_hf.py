@@ -11,9 +11,9 @@ import torch
 from hf_models import BASE, run_moebit, text_corpus, train_tokenizer
 
 from moebit.cli.upcycle import main as upcycle_main
-from moebit.generate import generate_tokens
 from moebit.hf import from_pretrained, is_hf_folder, save_pretrained
-from moebit.upcycle_hf import HFUpcycleSpec, moe_config_json, upcycle_hf
+from moebit.inference.generate import generate_tokens
+from moebit.upcycle.hf_folder import HFUpcycleSpec, moe_config_json, upcycle_hf
 
 transformers = pytest.importorskip("transformers")
 

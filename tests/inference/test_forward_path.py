@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebit.generate import dropless
+from moebit.inference.generate import dropless
 from moebit.models.gpt import GPT
 from moebit.models.kv_cache import KVCache
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebit.generate import dropless, generate, generate_tokens
+from moebit.inference.generate import dropless, generate, generate_tokens
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.moe import TopKGate
 

@@ -17,9 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebit.generate import generate
+from moebit.inference.generate import generate
+from moebit.inference.quantize import (
+    Int8Experts,
+    dequantize,
+    int8_linear,
+    quantize_experts_,
+    quantize_per_channel,
+)
 from moebit.moe.experts import Experts
-from moebit.quantize import Int8Experts, dequantize, int8_linear, quantize_experts_, quantize_per_channel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

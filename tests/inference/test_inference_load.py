@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moebit.checkpoint import CheckpointError, latest
-from moebit.generate import generate
-from moebit.loading import load_model, resolve_checkpoint
+from moebit.inference.generate import generate
+from moebit.inference.loading import load_model, resolve_checkpoint
 from moebit.models.gpt import GPT
 from moebit.testing import run_on_ranks
 
@@ -33,7 +33,7 @@ def test_round_trip_same_text(moe_run: Path) -> None:
     torch.set_num_threads(1)
     m = load_model(moe_run)
     torch.manual_seed(0)
-    from moebit.config import build as b
+    from moebit.training.config import build as b
 
     ref = GPT(b({"n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32,
                  "num_experts": 4, "moe_every": 1}).model_config())

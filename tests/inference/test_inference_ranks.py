@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moebit.generate import generate, generate_tokens
+from moebit.inference.generate import generate, generate_tokens
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.testing import run_on_ranks
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebit.config import build
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
 
 TIMEOUT = 120
 SPEED = 0.05
@@ -49,7 +49,7 @@ def test_replicas_apply_the_same_update_from_the_summed_load(world: int, ep_size
 
 def _train(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train as _train
+    from moebit.training.loop import train as _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 

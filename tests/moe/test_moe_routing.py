@@ -244,9 +244,9 @@ def test_megatron_and_deepseek_aliases() -> None:
 
 def test_train_config_keys_reach_the_layers_and_defaults_leave_the_model_config_alone() -> None:
     from moebit.checkpoint import CheckpointError
-    from moebit.checkpoint.train_state import check_model_config
-    from moebit.config import ConfigError, build
     from moebit.models.gpt import moe_config_for
+    from moebit.training.config import ConfigError, build
+    from moebit.training.state import check_model_config
 
     # A manifest written before the routing keys existed still matches a default-routed run.
     old = {"vocab_size": 256, "block_size": 256, "n_layer": 4, "n_head": 4, "d_model": 256,

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from moebit.cli.upcycle import main as upcycle_main
-from moebit.config import build
-from moebit.generate import dropless
-from moebit.loading import load_model
+from moebit.inference.generate import dropless
+from moebit.inference.loading import load_model
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.testing import run_on_ranks
-from moebit.upcycle import upcycle, upcycle_state_dict, weights_sum_to_one
+from moebit.training.config import build
+from moebit.upcycle.runs import upcycle, upcycle_state_dict, weights_sum_to_one
 
 BASE = {"block_size": 16, "n_layer": 2, "n_head": 2, "d_model": 16}
 
@@ -74,7 +74,7 @@ def test_foreign_state_dict_is_named() -> None:
 
 def _train(rank: int, world: int, cfg_dict: dict, run_dir: str):
     from moebit.comm.collectives import init_from_env
-    from moebit.train import train as _train
+    from moebit.training.loop import train as _train
 
     return _train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
 

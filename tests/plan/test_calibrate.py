@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from moebit.config import build
 from moebit.plan import calibrate as cal
+from moebit.training.config import build
 
 
 def _ok(x: float) -> bool:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from moebit.config import build
 from moebit.models.gpt import GPT
 from moebit.plan.loaders import from_hf_config, from_train_config, load_model
 from moebit.plan.presets import PRESETS, preset
 from moebit.plan.spec import ModelSpec, SpecError
+from moebit.training.config import build
 
 
 @pytest.mark.parametrize("flags", [

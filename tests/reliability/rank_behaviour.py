@@ -1,6 +1,6 @@
 """Rank bodies for the launcher tests, light enough to start in a second (no torch).
 
-    python -m moebit.runtime reliability.rank_behaviour fail-all|fail-one|sleep DIR
+    python -m moebit.runs.runtime reliability.rank_behaviour fail-all|fail-one|sleep DIR
 """
 
 from __future__ import annotations

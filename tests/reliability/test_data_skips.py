@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moebit.cli import main as cli
-from moebit.data import CorpusError, load_corpus
+from moebit.training.data import CorpusError, load_corpus
 
 
 @pytest.fixture

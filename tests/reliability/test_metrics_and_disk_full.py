@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebit import metrics
 from moebit.checkpoint import CheckpointError, latest, list_complete, read_manifest, verify
-from moebit.checkpoint import train_state as ckpt_io
 from moebit.comm.collectives import DistInfo
-from moebit.config import build
-from moebit.data import TrainBatches
-from moebit.metrics import MetricsWriter
 from moebit.models.gpt import GPT
-from moebit.train import make_optimizer, param_groups
+from moebit.runs import metrics
+from moebit.runs.metrics import MetricsWriter
+from moebit.training import state as ckpt_io
+from moebit.training.config import build
+from moebit.training.data import TrainBatches
+from moebit.training.loop import make_optimizer, param_groups
 
 
 def test_torn_last_line_is_dropped_on_resume_with_a_warning(tmp_path: Path):

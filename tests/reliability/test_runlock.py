@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moebit import runlock
+from moebit.runs import lock as runlock
 
 
 def test_second_owner_is_refused_with_one_line_naming_the_first(tmp_path: Path):
@@ -28,7 +28,7 @@ def test_second_owner_is_refused_with_one_line_naming_the_first(tmp_path: Path):
 
 
 def test_lock_of_a_killed_owner_is_free_and_its_record_is_reported_stale(tmp_path: Path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from moebit import runlock; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from moebit.runs import lock as runlock; "
             "runlock.acquire(sys.argv[1], 'moebit train'); print('held', flush=True); time.sleep(60)")
     src = str(Path(runlock.__file__).parents[1])
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), src], stdout=subprocess.PIPE,

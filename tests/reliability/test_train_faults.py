@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moebit import runlock
+from moebit.runs import lock as runlock
 
 TINY = ["--nproc", "2", "--n-layer", "1", "--n-head", "2", "--block-size", "32",
         "--batch-size", "4", "--samples", "0", "--dtype", "fp32", "--eval-batches", "1",

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from moebit.config import build
+from moebit.inference.sampling import SamplingParams
 from moebit.models.gpt import GPT
 from moebit.serve.engine import Engine, Event, Request
-from moebit.serve.sampling import SamplingParams
 from moebit.testing import free_port
+from moebit.training.config import build
 
 import toys
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from serve_helpers import MOE, request, run_engine, tiny_model
 
-from moebit.generate import generate_tokens
+from moebit.inference.generate import generate_tokens
+from moebit.models.tokenizer import ByteTokenizer
 from moebit.serve.engine import Engine
 from moebit.serve.slot_cache import SlotKVCache
-from moebit.serve.tokenizer import ByteTokenizer
 
 PROMPTS = [b"def foo(", b"x", b"import os\nimport sys\n" * 2, b"class A:\n    "]
 

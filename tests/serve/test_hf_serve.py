@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "hf"))  # the HF tests' model
 from hf_models import make_hf_model, train_tokenizer  # noqa: E402
 from serve_helpers import Server  # noqa: E402
 
-from moebit.generate import generate_tokens  # noqa: E402
 from moebit.hf import from_pretrained  # noqa: E402
-from moebit.hf.tokens import load_tokenizer  # noqa: E402
+from moebit.inference.generate import generate_tokens  # noqa: E402
+from moebit.models.hf.tokens import load_tokenizer  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

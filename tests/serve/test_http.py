@@ -15,8 +15,8 @@ import torch
 from serve_helpers import MOE, Server, save_run
 
 from moebit.bench.serve_load import load
-from moebit.generate import generate_tokens
-from moebit.loading import load_model
+from moebit.inference.generate import generate_tokens
+from moebit.inference.loading import load_model
 
 pytestmark = pytest.mark.timeout(240)
 RUN_FLAGS = {k: v for k, v in MOE.items() if k != "block_size"} | {"block_size": 256}

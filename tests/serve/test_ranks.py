@@ -15,8 +15,8 @@ import pytest
 import torch
 from serve_helpers import MOE, Server, save_run
 
-from moebit.generate import generate_tokens
-from moebit.loading import load_model
+from moebit.inference.generate import generate_tokens
+from moebit.inference.loading import load_model
 
 pytestmark = pytest.mark.timeout(300)
 

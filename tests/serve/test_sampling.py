@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebit.serve.sampling import SamplingParams, find_stop, sample
+from moebit.inference.sampling import SamplingParams, find_stop, sample
 
 
 def test_top_p_and_top_k_keep_only_the_head() -> None:

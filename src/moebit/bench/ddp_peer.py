@@ -38,10 +38,10 @@ from moebit.cli.launch import prepare_run_dir, run_ranks
 from moebit.cli.train import parse_train_args
 from moebit.comm import stats
 from moebit.comm.collectives import broadcast_params_, init_from_env
-from moebit.config import TrainConfig, build
-from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
 from moebit.models.gpt import GPT
-from moebit.train import autocast, clip_gradients, evaluate, lr_at, make_optimizer, param_groups
+from moebit.training.config import TrainConfig, build
+from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
+from moebit.training.loop import autocast, clip_gradients, evaluate, lr_at, make_optimizer, param_groups
 
 PEERS = ("powersgd", "fp16")
 ONE_BUCKET_MB = 1 << 14  # 16 GiB: every gradient of any model this runs lands in one bucket

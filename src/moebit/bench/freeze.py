@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from moebit.comm import collectives, stats
-from moebit.data import TrainBatches, load_corpus, val_batches
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.optim import AutoFreeze, OnebitAdam
 from moebit.testing import run_on_ranks
+from moebit.training.data import TrainBatches, load_corpus, val_batches
 
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
 

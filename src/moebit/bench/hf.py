@@ -10,8 +10,8 @@ same weights. Then, interleaved rep by rep so that a busy host slows both alike:
   (attention, MoE, rest, optimizer) timed inside that same step (``hf_train.py``);
 - the same forward+backward under bfloat16 CPU autocast;
 - decode latency per step: transformers ``generate`` with a static cache against
-  ``moebit.generate.generate_tokens`` with float32 experts and with int8 experts
-  (``moebit.quantize``), greedy, batch 1 and 16, with each one's speed-up; and how far int8
+  ``moebit.inference.generate.generate_tokens`` with float32 experts and with int8 experts
+  (``moebit.inference.quantize``), greedy, batch 1 and 16, with each one's speed-up; and how far int8
   experts move the logits of a fixed prompt (max and relative difference, argmax and
   greedy-id agreement);
 - loading a sharded checkpoint: one process against ep 2 (2 gloo ranks): time and the
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from moebit.bench.hf_train import bf16_rows, train_rows
-from moebit.generate import generate_tokens
-from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config
-from moebit.quantize import quantize_experts_
+from moebit.inference.generate import generate_tokens
+from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf import build_empty, from_pretrained, load_hf_weights, read_config
 from moebit.testing import run_on_ranks
 
 

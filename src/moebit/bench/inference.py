@@ -3,12 +3,12 @@
     moebit bench inference --run runs/issue7-moe64 --dense runs/issue7-dense --json inf.json
     moebit bench inference --synthetic --experts 64 --d-model 512 --json inf-syn.json
 
-Every variant decodes with the same KV-cache loop (``moebit.generate``) and the same
+Every variant decodes with the same KV-cache loop (``moebit.inference.generate``) and the same
 weights; only the MoE layers' execution differs:
 
 - ``moebit``: sort-based dispatch (index gathers, one block per expert, only the chosen
   experts run), experts in float32, ``bf16`` (experts cast to bfloat16) or ``int8``
-  (``moebit.quantize``, weight-only, per-output-channel scales).
+  (``moebit.inference.quantize``, weight-only, per-output-channel scales).
 - ``onehot_baseline``: THE BASELINE, not our code path: the GShard / DeepSpeed (<= 2025)
   one-hot dispatch, [S, E, C] dispatch and combine tensors and two einsums, every expert
   running its C slots. C is the smallest capacity that drops nothing in that call (the
@@ -42,15 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebit.config import build
-from moebit.data import load_corpus, val_batches
-from moebit.generate import dropless, generate_tokens
-from moebit.loading import load_model
+from moebit.inference.generate import dropless, generate_tokens
+from moebit.inference.loading import load_model
+from moebit.inference.quantize import Int8Experts, quantize_experts_
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.moe import MoE, ResidualMoE
 from moebit.moe.experts import Experts
-from moebit.quantize import Int8Experts, quantize_experts_
 from moebit.testing import run_on_ranks
+from moebit.training.config import build
+from moebit.training.data import load_corpus, val_batches
 
 # ----------------------------------------------------------------------------- baseline
 

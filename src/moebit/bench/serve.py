@@ -40,15 +40,15 @@ import torch
 
 from moebit.bench import serve_hf
 from moebit.bench.serve_load import load, pct, workload
-from moebit.checkpoint.train_state import save
 from moebit.comm.collectives import DistInfo
-from moebit.config import build
-from moebit.data import TrainBatches
-from moebit.generate import generate_tokens
-from moebit.hf import from_pretrained, is_hf_folder
-from moebit.loading import load_model
+from moebit.inference.generate import generate_tokens
+from moebit.inference.loading import load_model
 from moebit.models.gpt import GPT
+from moebit.models.hf import from_pretrained, is_hf_folder
 from moebit.testing import free_port
+from moebit.training.config import build
+from moebit.training.data import TrainBatches
+from moebit.training.state import save
 
 SYNTHETIC = {"n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 512,
              "num_experts": 8, "moe_every": 2}

@@ -3,7 +3,7 @@
 The same weights and prompts go three ways:
 
 - ``moebit serve HF_DIR`` (continuous batching, over HTTP, as in ``moebit bench serve``);
-- static batching: ``moebit.generate.generate_tokens`` on the folder loaded by
+- static batching: ``moebit.inference.generate.generate_tokens`` on the folder loaded by
   ``moebit.hf.from_pretrained`` (what ``moebit generate HF_DIR --batch C`` runs);
 - transformers' ``generate`` on the folder loaded by transformers itself, in batches of C,
   left-padded with an attention mask, greedy, each batch decoded to its longest request
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from moebit.bench.serve_load import pct
-from moebit.generate import generate_tokens
-from moebit.serve.tokenizer import HFTokenizer
+from moebit.inference.generate import generate_tokens
+from moebit.models.tokenizer import HFTokenizer
 
 MIXTRAL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moebit import metrics
+from moebit.runs import metrics
 
 
 def _train_argv(extra: list[str], optimizer: str, nproc: int, steps: int, run_dir: Path,

@@ -1,6 +1,7 @@
 """Checkpoints: ``files`` holds the atomic, code-free file layer (shards, manifests, which
-checkpoint is newest and complete); ``train_state`` saves and restores a training run
-(model, optimizer, data stream, RNG) on top of it, resharding experts across world sizes.
+checkpoint is newest and complete); ``weights`` loads a checkpoint's model weights at any
+expert-parallel degree. Saving and restoring a whole training run (optimizer, data stream,
+RNG) is the loop's: ``moebit.training.state``.
 
 Only the file layer is re-exported here: reading a manifest must not import the models.
 """

@@ -27,7 +27,7 @@ import sys
 
 from moebit.checkpoint import CheckpointError
 from moebit.cli.args import RunStopped, UsageError
-from moebit.config import ConfigError
+from moebit.training.config import ConfigError
 
 # Command name -> module under moebit.cli with main(argv). Imported on use, so that
 # `moebit report` or `moebit --help` does not pay for torch.distributed and the models.

@@ -11,7 +11,7 @@ import argparse
 import os
 from collections.abc import Iterable
 
-from moebit.config import flat_fields
+from moebit.training.config import flat_fields
 
 
 class UsageError(ValueError):

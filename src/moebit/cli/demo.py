@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from moebit import metrics
 from moebit.bench.netns import ShapedLinkUnavailable, _require_tools, run_in_shaped_netns
 from moebit.cli.train import launch_training, parse_train_args
-from moebit.report import report
+from moebit.runs import metrics
+from moebit.runs.report import report
 
 # Gradient clipping at 5: early gradient norms here are 3-7, so a threshold of 1 clipped
 # every warm-up step and, once 1-bit Adam froze its variance, became a hidden learning-rate

@@ -12,7 +12,7 @@ optimizer, schedule) with fewer blocks; training flags override the teacher's va
 model-shape flags are refused. ``--resume RUN`` takes the settings of RUN (config.json and
 distill.json; training flags override them) and continues in the KD stage it was in. Ranks
 are launched through torch.distributed.run exactly as ``moebit train`` launches them, each
-running ``python -m moebit.distill``.
+running ``python -m moebit.distill.run``.
 
 A Hugging Face teacher (a folder, or a run trained ``--init-from`` one): the student's
 starting folder ``RUN/student-init`` (its config.json with fewer layers, the kept layers'
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moebit import tracking
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.export import COPIED
@@ -44,16 +43,14 @@ from moebit.cli.launch import (
 )
 from moebit.cli.train import INTERNAL_FIELDS
 from moebit.cli.validate import check_run
-from moebit.config import TrainConfig, build
-from moebit.distill import (
+from moebit.distill.run import (
     DISTILL_FILE,
     FIXED_BY_TEACHER,
     DistillConfig,
     load_teacher_config,
     student_train_config,
 )
-from moebit.metrics import FILE_NAME as METRICS_FILE
-from moebit.students_hf import (
+from moebit.distill.students_hf import (
     HFTeacher,
     check_hf_keep,
     choose_hf_layers,
@@ -61,6 +58,9 @@ from moebit.students_hf import (
     load_hf_teacher,
     write_student,
 )
+from moebit.runs import tracking
+from moebit.runs.metrics import FILE_NAME as METRICS_FILE
+from moebit.training.config import TrainConfig, build
 
 STUDENT_DIR = "student-init"  # the Hugging Face student's starting folder, inside the run
 
@@ -204,7 +204,7 @@ def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]
     try:
         write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
         print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")
-        run_ranks(launch, "moebit.distill", ["--resolved-config", str(run_dir / "config.json")],
+        run_ranks(launch, "moebit.distill.run", ["--resolved-config", str(run_dir / "config.json")],
                   "distillation", f"Resume with: moebit distill --resume {run_dir}", run_dir=run_dir)
     finally:
         release_run_dir(run_dir)

@@ -27,10 +27,10 @@ import torch
 from tqdm import tqdm
 
 from moebit.checkpoint import CheckpointError, read_manifest
-from moebit.data import load_corpus, val_batches
-from moebit.hf.tokens import corpus_for_model
-from moebit.loading import load_model, resolve_checkpoint
-from moebit.train import evaluate
+from moebit.inference.loading import load_model, resolve_checkpoint
+from moebit.training.data import load_corpus, val_batches
+from moebit.training.loop import evaluate
+from moebit.training.tokenized import corpus_for_model
 
 matplotlib.use("Agg")  # files only: no display on a training machine
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)

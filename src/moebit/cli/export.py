@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from moebit.checkpoint import read_manifest
-from moebit.hf import HFDecoder, save_pretrained
-from moebit.loading import load_model, resolve_checkpoint
+from moebit.inference.loading import load_model, resolve_checkpoint
+from moebit.models.hf import HFDecoder, save_pretrained
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "generation_config.json")

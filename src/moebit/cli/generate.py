@@ -31,11 +31,11 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
-from moebit.generate import generate_tokens
-from moebit.hf import HFDecoderConfig, from_pretrained, is_hf_folder, read_config
-from moebit.hf.tokens import TOKENIZER_FILE, load_tokenizer
-from moebit.loading import load_model, model_config_of, resolve_checkpoint
-from moebit.quantize import quantize_experts_
+from moebit.inference.generate import generate_tokens
+from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
+from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf import HFDecoderConfig, from_pretrained, is_hf_folder, read_config
+from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -2,9 +2,9 @@
 
 This process validates (``moebit.cli.validate``), owns the run folder (its lock, for the
 whole run), writes the resolved config, and supervises; the ranks run ``python -m
-moebit.runtime MODULE ARGS`` through ``torch.distributed.run`` (torchrun), single-node
+moebit.runs.runtime MODULE ARGS`` through ``torch.distributed.run`` (torchrun), single-node
 with ``--standalone`` or multi-node with the c10d rendezvous, exactly as torchrun would.
-``moebit.runtime`` ties each rank to this process (it dies with it), checks the lock,
+``moebit.runs.runtime`` ties each rank to this process (it dies with it), checks the lock,
 and turns errors and stop signals into records this module reports in one line each.
 """
 
@@ -27,11 +27,12 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from moebit import metrics, runlock
 from moebit.checkpoint import latest, read_manifest, remove_incomplete, write_text_atomic
 from moebit.cli.args import RunStopped, UsageError
-from moebit.config import TrainConfig
-from moebit.runtime import ENV_ERRORS
+from moebit.runs import lock as runlock
+from moebit.runs import metrics
+from moebit.runs.runtime import ENV_ERRORS
+from moebit.training.config import TrainConfig
 
 LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "force")
 # Errors that a resume would meet again: offering "Resume with" after them only wastes a run.
@@ -128,8 +129,8 @@ def torchrun_args(launch: dict[str, Any], module: str, module_args: list[str]) -
         args += ["--standalone"]
     if "signals_to_handle" in launch:  # signals torchrun answers by stopping every rank
         args += ["--signals-to-handle", str(launch["signals_to_handle"])]
-    # Every rank starts in moebit.runtime, which then runs MODULE.main(module_args).
-    return args + ["--module", "moebit.runtime", module, *module_args]
+    # Every rank starts in moebit.runs.runtime, which then runs MODULE.main(module_args).
+    return args + ["--module", "moebit.runs.runtime", module, *module_args]
 
 
 def check_rendezvous_port(launch: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moebit.report import report
+from moebit.runs.report import report
 
 
 def main(argv: list[str]) -> int:

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
-from moebit.hf import from_pretrained, is_hf_folder, read_config
-from moebit.loading import load_model, model_config_of, resolve_checkpoint
-from moebit.quantize import quantize_experts_
+from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
+from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf import from_pretrained, is_hf_folder, read_config
+from moebit.models.tokenizer import ByteTokenizer, HFTokenizer
 from moebit.serve.server import follow, serve_main
-from moebit.serve.tokenizer import ByteTokenizer, HFTokenizer
 
 HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
 

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moebit import tracking
 from moebit.checkpoint import MANIFEST, latest, write_text_atomic
 from moebit.cli.args import RunStopped, UsageError, add_config_flags, parse_known, unknown_flag_error
 from moebit.cli.launch import (
@@ -28,7 +27,8 @@ from moebit.cli.launch import (
     set_aside_newer,
 )
 from moebit.cli.validate import check_resume, check_run
-from moebit.config import TrainConfig, build, load_file
+from moebit.runs import tracking
+from moebit.training.config import TrainConfig, build, load_file
 
 INTERNAL_FIELDS = ("extra", "resume")  # not flags: set through a config file / --resume RUN
 
@@ -106,7 +106,7 @@ def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
             for d in set_aside_newer(run_dir, ckpt):
                 print(f"moebit train: resuming from {ckpt}; set aside the newer {d}", file=sys.stderr)
         print_run_folder(run_dir, "train")
-        run_ranks({k: v for k, v in launch.items() if k != "resume_from"}, "moebit.train",
+        run_ranks({k: v for k, v in launch.items() if k != "resume_from"}, "moebit.training.loop",
                   ["--resolved-config", str(config)], "training",
                   f"Resume with: moebit train --resume {run_dir}", run_dir=run_dir)
     except (RuntimeError, RunStopped):

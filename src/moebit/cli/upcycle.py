@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from moebit.checkpoint import CheckpointError
-from moebit.config import ConfigError
-from moebit.hf import is_hf_folder
-from moebit.upcycle import upcycle
-from moebit.upcycle_hf import HFUpcycleSpec, moe_family_of, upcycle_hf
+from moebit.models.hf import is_hf_folder
+from moebit.training.config import ConfigError
+from moebit.upcycle.hf_folder import HFUpcycleSpec, moe_family_of, upcycle_hf
+from moebit.upcycle.runs import upcycle
 
 # flags of the Hugging Face path only (a run sets these through --set)
 _HF_ONLY = ("mlp_only_layers", "no_norm_topk_prob", "shared_expert", "router_aux_loss_coef")

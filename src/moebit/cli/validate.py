@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, list_complete, read_manifest, verify
-from moebit.checkpoint.train_state import check_model_config
 from moebit.cli.args import UsageError
-from moebit.config import ConfigError, TrainConfig
-from moebit.data import Corpus, check_block_size, load_corpus
 from moebit.models.gpt import GPTConfig, moe_config_for
+from moebit.training.config import ConfigError, TrainConfig
+from moebit.training.data import Corpus, check_block_size, load_corpus
+from moebit.training.state import check_model_config
 
 RANK_BASE_BYTES = 350 << 20  # a rank's own footprint: interpreter, torch, gloo buffers
 

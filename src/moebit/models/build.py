@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from moebit.hf import HFDecoder, HFDecoderConfig, build_empty, load_hf_weights
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.models.hf import HFDecoder, HFDecoderConfig, build_empty, load_hf_weights
 from moebit.models.interface import CausalLM
 
 

@@ -1,6 +1,6 @@
 """The model interface: what the loop, checkpoints, distillation, eval and decoding rely on.
 
-Any ``nn.Module`` with these members plugs into ``moebit.train``: moebit's byte GPT
+Any ``nn.Module`` with these members plugs into ``moebit.training.loop``: moebit's byte GPT
 (``models.gpt``) implements it, and so do the Hugging Face families. It is a Protocol, not
 a base class: a model satisfies it by shape, and ``isinstance(model, CausalLM)`` checks
 the members exist.

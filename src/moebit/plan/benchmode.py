@@ -18,12 +18,12 @@ import math
 from typing import Any
 
 from moebit.bench.netns import parse_rate
-from moebit.config import ConfigError, TrainConfig, build, flat_fields, load_file
 from moebit.plan import collectives as coll
 from moebit.plan.cluster import ClusterSpec
 from moebit.plan.loaders import from_train_config
 from moebit.plan.model import Setup, compare
 from moebit.plan.spec import SpecError
+from moebit.training.config import ConfigError, TrainConfig, build, flat_fields, load_file
 
 # Every flat config key (model, MoE and training settings), as `moebit train` takes them.
 _FIELDS = {k: f for owner in ("model", "moe", "train") for k, f in flat_fields(owner)}

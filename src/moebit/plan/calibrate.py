@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from moebit.comm.compressed import OnebitAllreduce
-from moebit.config import TrainConfig, validate
 from moebit.models.gpt import GPT
-from moebit.train import autocast, clip_gradients, make_optimizer, param_groups
+from moebit.training.config import TrainConfig, validate
+from moebit.training.loop import autocast, clip_gradients, make_optimizer, param_groups
 
 
 def _timeit(fn: Any, reps: int, warmup: int = 2) -> float:

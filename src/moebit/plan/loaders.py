@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moebit.config import ConfigError, TrainConfig, build, load_file
 from moebit.plan.presets import PRESETS, preset
 from moebit.plan.spec import ModelSpec, SpecError
+from moebit.training.config import ConfigError, TrainConfig, build, load_file
 
 
 def from_train_config(cfg: TrainConfig, name: str = "moebit") -> ModelSpec:

@@ -26,9 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from moebit.inference.sampling import SamplingParams
+from moebit.models.tokenizer import Tokenizer
 from moebit.serve.engine import Engine, EngineStopped, Event, QueueFull, Request
-from moebit.serve.sampling import SamplingParams
-from moebit.serve.tokenizer import Tokenizer
 
 
 class _Sampling(BaseModel):

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebit.generate import dropless
+from moebit.inference.generate import dropless
+from moebit.inference.sampling import SamplingParams, find_stop, sample
 from moebit.models.gpt import GPT
+from moebit.models.tokenizer import Tokenizer
 from moebit.serve.metrics import Metrics
-from moebit.serve.sampling import SamplingParams, find_stop, sample
 from moebit.serve.slot_cache import SlotKVCache
-from moebit.serve.tokenizer import Tokenizer
 
 
 class QueueFull(Exception):

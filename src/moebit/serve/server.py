@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
-from moebit.generate import dropless
+from moebit.inference.generate import dropless
 from moebit.models.gpt import GPT
+from moebit.models.tokenizer import Tokenizer
 from moebit.serve.api import create_app
 from moebit.serve.engine import Engine
 from moebit.serve.metrics import Metrics
-from moebit.serve.tokenizer import Tokenizer
 
 
 def broadcast_step(n: int) -> None:
@@ -37,7 +37,7 @@ def broadcast_step(n: int) -> None:
 
 def _idle_forward(model: GPT) -> None:
     """A forward of a zero-row batch: its MoE layers still join the all-to-all (as in
-    ``moebit.generate``), so this rank serves its experts to rank 0's tokens."""
+    ``moebit.inference.generate``), so this rank serves its experts to rank 0's tokens."""
     empty_01 = torch.zeros(0, 1, dtype=torch.long, device=model.wte.weight.device)
     model(empty_01, cache=model.new_cache(0, 1), logits_to_keep=1)
 

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebit import metrics
 from moebit.checkpoint.files import (
     MANIFEST,
     CheckpointError,
@@ -41,11 +40,12 @@ from moebit.checkpoint.files import (
     write_manifest,
     write_text_atomic,
 )
+from moebit.checkpoint.weights import expert_names, load_model_weights, regatherer
 from moebit.comm.collectives import DistInfo
-from moebit.config import TrainConfig
-from moebit.data import TrainBatches
 from moebit.models.gpt import GPTConfig
-from moebit.moe import is_expert_param
+from moebit.runs import metrics
+from moebit.training.config import TrainConfig
+from moebit.training.data import TrainBatches
 
 
 @dataclass
@@ -58,10 +58,6 @@ class Resumed:
     # What the loop saved beside the model: its whole-run counters and its hooks' state
     # (empty for a checkpoint written before they were saved).
     run_state: dict[str, Any] = field(default_factory=dict)
-
-
-def expert_names(model: torch.nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if is_expert_param(p)}
 
 
 def _group_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
@@ -197,7 +193,7 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         return Resumed(shard["step"], shard["wall"], shard["train_time"], d, False,
                        shard.get("run_state", {}))
     shards = load_model_weights(d, manifest, model, info.rank, new_ep)
-    _reshard_optimizer(d, shards, model, opt, _regatherer(model, d, info.rank, new_ep))
+    _reshard_optimizer(d, shards, model, opt, regatherer(model, d, info.rank, new_ep))
     own = d / shard_name(info.rank)
     mine = shards[0]
     if info.rank < manifest["world_size"] and own.is_file():
@@ -211,42 +207,6 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
             "1-bit error buffers reset", stacklevel=2)
     s0 = shards[0]
     return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True, mine.get("run_state", {}))
-
-
-def _regatherer(model: torch.nn.Module, d: Path, rank: int, new_ep: int) -> Any:
-    """A function (name, per-old-shard tensors) -> this rank's tensor under ``new_ep``."""
-    experts = expert_names(model)
-    my_ep_rank = rank % new_ep
-
-    def regather(key: str, per_shard: list[torch.Tensor]) -> torch.Tensor:
-        if key not in experts:
-            return per_shard[0]
-        full = torch.cat(per_shard, dim=0)
-        if full.shape[0] % new_ep:
-            raise CheckpointError(
-                f"{d}: {key} holds {full.shape[0]} experts, not divisible by ep_size {new_ep}"
-            )
-        n = full.shape[0] // new_ep
-        return full[my_ep_rank * n : (my_ep_rank + 1) * n].clone()
-
-    return regather
-
-
-def load_model_weights(d: Path, manifest: dict[str, Any], model: torch.nn.Module, rank: int,
-                       ep_size: int) -> list[dict[str, Any]]:
-    """Load a checkpoint's weights into ``model`` for expert-parallel rank ``rank % ep_size``.
-
-    Works for any saved and current world/ep sizes: the first saved expert-parallel group
-    (ranks 0..ep-1) holds every expert once; each rank takes its slice. Returns the shards
-    read (for the optimizer state).
-    """
-    names = [shard_name(r) for r in range(manifest["ep_size"])]
-    verify(d, {"files": {n: manifest["files"][n] for n in names}})
-    shards = [load_file(d / n) for n in names]
-    regather = _regatherer(model, d, rank, ep_size)
-    state = {k: regather(k, [s["model"][k] for s in shards]) for k in shards[0]["model"]}
-    model.load_state_dict(state)
-    return shards
 
 
 def _reshard_optimizer(d: Path, shards: list[dict[str, Any]], model: torch.nn.Module,

@@ -2,7 +2,7 @@
 Qwen2-MoE, Qwen3-MoE or OLMoE teacher.
 
 The student is the teacher's own ``config.json`` with fewer decoder layers. Which teacher
-layers it keeps follows the GPT rule (``moebit.students.keep_by_depth``: relative depth,
+layers it keeps follows the GPT rule (``moebit.distill.students.keep_by_depth``: relative depth,
 first and last layer kept) under the family's MoE/dense pattern: the student follows the
 teacher's pattern rule (``decoder_sparse_step``, ``first_k_dense_replace``) at its own
 depth, a dense slot taking a dense teacher layer and an MoE slot an MoE layer, or one of
@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from moebit.checkpoint import latest, read_manifest
-from moebit.hf import (
+from moebit.distill.students import DistillError, init_student_, keep_by_depth
+from moebit.inference.loading import load_model, model_config_of
+from moebit.models.hf import (
     HFDecoder,
     HFDecoderConfig,
     build_empty,
@@ -37,8 +39,6 @@ from moebit.hf import (
     read_config,
     save_pretrained,
 )
-from moebit.loading import load_model, model_config_of
-from moebit.students import DistillError, init_student_, keep_by_depth
 
 # HFDecoderConfig fields a student may differ in from its teacher (depth and its pattern,
 # the source dict, and the run's own sequence length and expert parallelism)

@@ -1,4 +1,4 @@
-"""Start-up and exit of one rank: the launcher runs ``python -m moebit.runtime MODULE ARGS``.
+"""Start-up and exit of one rank: the launcher runs ``python -m moebit.runs.runtime MODULE ARGS``.
 
 Every rank of ``moebit train``, ``distill`` and ``generate`` starts here, then calls
 ``MODULE.main(ARGS)``. What this adds around it, and why:
@@ -8,7 +8,7 @@ Every rank of ``moebit train``, ``distill`` and ``generate`` starts here, then c
   kernel kill a rank when its parent (the launcher: torchrun's agent runs in-process)
   dies; elsewhere a watchdog thread polls the parent pid.
 - **The run folder's lock.** A rank refuses to start unless its launcher holds the run
-  folder's lock (``moebit.runlock``).
+  folder's lock (``moebit.runs.lock``).
 - **A clean stop.** SIGINT / SIGTERM raise ``StopRequested`` in the main thread; the rank
   then exits quietly with 130 / 143, and the launcher prints the one stop line.
 - **One line per error.** An exception is written to ``$MOEBIT_ERROR_DIR/rank-N.json``
@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from types import FrameType
 
-from moebit import runlock
+from moebit.runs import lock as runlock
 
 ENV_ERRORS = "MOEBIT_ERROR_DIR"
 PR_SET_PDEATHSIG = 1
@@ -141,7 +141,7 @@ def finish(code: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m moebit.runtime MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python -m moebit.runs.runtime MODULE [ARGS...]", file=sys.stderr)
         finish(2)
     launcher = os.environ.get(runlock.ENV_LAUNCHER)
     if launcher:

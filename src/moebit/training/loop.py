@@ -1,15 +1,15 @@
 """The training loop: one rank's work, launched N times by torch.distributed.run.
 
 ``moebit train`` resolves and validates the configuration, writes it into the run
-folder and starts the ranks with torchrun; each rank runs ``python -m moebit.train
+folder and starts the ranks with torchrun; each rank runs ``python -m moebit.training.loop
 --resolved-config RUN/config.json``. Data parallel: every rank draws its own batches,
 gradients are averaged with bucketed allreduces (expert gradients over their
 expert-data-parallel group only), or, for the 1-bit optimizers, the optimizer does the
-exchange itself (``moebit.grads``). Rank 0 writes metrics (JSON lines), plots and the
+exchange itself (``moebit.training.grads``). Rank 0 writes metrics (JSON lines), plots and the
 final checkpoint.
 
 This is the only loop: a kind of training that needs more (Mixture-of-Students' KD term
-and stop rule, ``moebit.distill``) passes ``Hooks`` (``moebit.train_hooks``). The loop
+and stop rule, ``moebit.distill.run``) passes ``Hooks`` (``moebit.training.hooks``). The loop
 takes any model implementing ``moebit.models.interface.CausalLM``; ``build_model`` is
 the one place a model is made from the config.
 """
@@ -31,15 +31,21 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moebit import tracking
-from moebit.checkpoint import train_state as ckpt_io
 from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, broadcast_params_, init_from_env
-from moebit.config import TrainConfig, build
-from moebit.data import TrainBatches, check_block_size, load_corpus, val_batches
-from moebit.evaluation import autocast, evaluate
-from moebit.generate import generate
-from moebit.grads import (
+from moebit.inference.generate import generate
+from moebit.models.build import build_model
+from moebit.models.interface import CausalLM, is_expert_param
+from moebit.moe import split_params_for_ep, update_router_biases_
+from moebit.optim import build_optimizer
+from moebit.runs import tracking
+from moebit.runs.metrics import MetricsWriter
+from moebit.runs.report import plot_runs
+from moebit.training import state as ckpt_io
+from moebit.training.config import TrainConfig, build
+from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
+from moebit.training.evaluation import autocast, evaluate
+from moebit.training.grads import (
     NonFiniteLoss,
     average_for_step,
     average_gradients,
@@ -48,15 +54,9 @@ from moebit.grads import (
     non_finite,
     report_freeze,
 )
-from moebit.hf.tokens import corpus_for_model
-from moebit.metrics import MetricsWriter
-from moebit.models.build import build_model
-from moebit.models.interface import CausalLM, is_expert_param
-from moebit.moe import split_params_for_ep, update_router_biases_
-from moebit.optim import build_optimizer
-from moebit.report import plot_runs
-from moebit.train_hooks import Hooks, Loop
-from moebit.train_metrics import Meter, RunTotals
+from moebit.training.hooks import Hooks, Loop
+from moebit.training.meter import Meter, RunTotals
+from moebit.training.tokenized import corpus_for_model
 
 # Re-exported: tests and ``moebit eval`` reach them through this module.
 __all__ = ["NonFiniteLoss", "average_gradients", "clip_gradients", "evaluate", "run", "train"]
@@ -344,7 +344,7 @@ def summary_line(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moebit.train", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m moebit.training.loop", description=__doc__)
     ap.add_argument("--resolved-config", required=True,
                     help="config.json written by `moebit train` into the run folder")
     args = ap.parse_args(argv)

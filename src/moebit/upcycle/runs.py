@@ -37,11 +37,11 @@ from moebit.checkpoint import (
     write_manifest,
     write_text_atomic,
 )
-from moebit.checkpoint.train_state import optimizer_state
-from moebit.config import TrainConfig, build
-from moebit.loading import model_config_of, resolve_checkpoint
+from moebit.inference.loading import model_config_of, resolve_checkpoint
 from moebit.models.gpt import GPT, GPTConfig, moe_config_for
-from moebit.train import make_optimizer, param_groups
+from moebit.training.config import TrainConfig, build
+from moebit.training.loop import make_optimizer, param_groups
+from moebit.training.state import optimizer_state
 
 # Expert tensor -> (dense MLP tensor, transpose?): Experts hold x @ w1 [d, f], the dense
 # Linear holds weight [f, d].

@@ -21,9 +21,9 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moebit.hf.config import HFDecoderConfig, read_config  # imports moebit.hf (safetensors)
 from moebit.models.gpt import GPTConfig
-from moebit.models.hf_decoder import moe_config_for
+from moebit.models.hf.config import HFDecoderConfig, read_config  # imports moebit.hf (safetensors)
+from moebit.models.hf.decoder import moe_config_for
 from moebit.moe import MoEConfig
 from moebit.optim import EXACT_OPTIMIZERS, optimizer_names
 
@@ -97,7 +97,7 @@ class TrainConfig:
             return self.model
         if self.hf is None:
             raise ConfigError("init_from: the Hugging Face config was not read; make the "
-                              "TrainConfig with moebit.config.build (or attach_hf_config)")
+                              "TrainConfig with moebit.training.config.build (or attach_hf_config)")
         return self.hf
 
     def resolved_freeze_step(self) -> int | str | None:

@@ -4,7 +4,7 @@ Pre-norm blocks: RMSNorm, grouped-query attention with rotary embeddings (and th
 families' q/k norms), RMSNorm, then a SwiGLU MLP or a ``moebit.moe.MoE`` block (dropless,
 SwiGLU experts in transformers 5.x's fused layout, optional gated shared expert). It
 implements the ``CausalLM`` protocol, so training, checkpoints, distillation, eval and
-``moebit.generate`` drive it as they drive moebit's GPT; decoding writes the same
+``moebit.inference.generate`` drive it as they drive moebit's GPT; decoding writes the same
 preallocated ``KVCache`` (holding the key/value heads only, GQA's memory saving).
 
 The auxiliary loss is transformers' (``load_balancing_loss_func``): one Switch loss over
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebit.hf.config import HFDecoderConfig
+from moebit.models.hf.config import HFDecoderConfig
 from moebit.models.interface import ModelOutput
 from moebit.models.kv_cache import KVCache
 from moebit.models.rope import RotaryEmbedding

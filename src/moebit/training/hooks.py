@@ -1,6 +1,6 @@
-"""How a kind of training plugs into the one loop (``moebit.train.train``): ``Hooks``.
+"""How a kind of training plugs into the one loop (``moebit.training.loop.train``): ``Hooks``.
 
-Plain training passes no hooks. Mixture-of-Students (``moebit.distill``) passes a KD stage:
+Plain training passes no hooks. Mixture-of-Students (``moebit.distill.run``) passes a KD stage:
 an extra loss term (the teacher's forward and the KD loss), a stop rule run before each
 step, extra fields for the start/eval/end records, and its own state, saved in every
 checkpoint so that the stage survives a resume. Every field is optional; a hook receives
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from moebit.comm.collectives import DistInfo
-from moebit.config import TrainConfig
-from moebit.evaluation import evaluate
 from moebit.models.interface import ModelOutput
+from moebit.training.config import TrainConfig
+from moebit.training.evaluation import evaluate
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, targets), [B, T] each, on the device
 Record = dict[str, Any]

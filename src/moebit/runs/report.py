@@ -12,7 +12,7 @@ from typing import Any
 
 import matplotlib
 
-from moebit import metrics
+from moebit.runs import metrics
 
 matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
 import matplotlib.pyplot as plt  # noqa: E402

@@ -15,15 +15,15 @@ The teacher runs in eval mode without gradients, under bf16 autocast by default,
 with the student's ``ep_size`` so its experts are sharded over the ranks exactly as in
 training; after the switch it is no longer run at all.
 
-Distillation is the training loop (``moebit.train.train``) plus a KD stage passed as its
+Distillation is the training loop (``moebit.training.loop.train``) plus a KD stage passed as its
 hooks (``KDStage``): the teacher's forward and the KD term, the stop rule, and the stage's
 state, saved in every checkpoint. So it has everything training has: ``--resume``,
 ``--save-every``, ``--max-restarts`` that resume, ``--on-nan``, the freeze record and the
 gradient metrics. The student itself (which blocks, its init, the KD loss) is
-``moebit.students`` (``moebit.students_hf`` for the Hugging Face families, whose student
+``moebit.distill.students`` (``moebit.distill.students_hf`` for the Hugging Face families, whose student
 trains ``--init-from`` a folder holding its starting weights, ``RUN/student-init``).
 
-Each rank runs ``python -m moebit.distill --resolved-config RUN/config.json``, launched
+Each rank runs ``python -m moebit.distill.run --resolved-config RUN/config.json``, launched
 by ``moebit distill`` (``moebit.cli.distill``); ``RUN/distill.json`` holds the settings
 below. The run folder is an ordinary moebit run (same metrics records as ``moebit train``,
 plus ``kd_loss`` on train records and a ``kd_stop`` record), so ``moebit report`` and
@@ -45,14 +45,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moebit.checkpoint import latest, read_manifest
-from moebit.checkpoint.train_state import load_model_weights
+from moebit.checkpoint.weights import load_model_weights
 from moebit.comm.collectives import DistInfo
-from moebit.config import TrainConfig, build
-from moebit.evaluation import autocast, evaluate
-from moebit.hf import HFDecoderConfig
-from moebit.models.build import build_model
-from moebit.models.interface import ModelOutput
-from moebit.students import (
+from moebit.distill.students import (
     DistillError,
     block_experts,
     check_compatible,
@@ -62,12 +57,17 @@ from moebit.students import (
     kd_loss,
     student_config,
 )
-from moebit.students_hf import check_hf_compatible, choose_hf_layers, find_hf_teacher, load_hf_teacher
-from moebit.train import print_summary, train
-from moebit.train import run as run_training
-from moebit.train_hooks import Batch, Hooks, Loop
+from moebit.distill.students_hf import check_hf_compatible, choose_hf_layers, find_hf_teacher, load_hf_teacher
+from moebit.models.build import build_model
+from moebit.models.hf import HFDecoderConfig
+from moebit.models.interface import ModelOutput
+from moebit.training.config import TrainConfig, build
+from moebit.training.evaluation import autocast, evaluate
+from moebit.training.hooks import Batch, Hooks, Loop
+from moebit.training.loop import print_summary, train
+from moebit.training.loop import run as run_training
 
-# The student's parts are re-exported: ``moebit.distill`` is where users look for them.
+# The student's parts are re-exported: ``moebit.distill.run`` is where users look for them.
 __all__ = ["DISTILL_FILE", "DistillConfig", "DistillError", "KDStage", "block_experts",
            "check_compatible", "check_keep", "choose_layers", "distill", "init_student_",
            "kd_loss", "student_config", "student_train_config"]
@@ -323,7 +323,7 @@ def run(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moebit.distill", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m moebit.distill.run", description=__doc__)
     ap.add_argument("--resolved-config", required=True,
                     help=f"config.json written by `moebit distill` (with {DISTILL_FILE} beside it)")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 its initialisation from the teacher, and the KD loss that matches it to the teacher.
 
 Pure functions of configurations and models; the training stage that uses them is
-``moebit.distill``.
+``moebit.distill.run``.
 """
 
 from __future__ import annotations

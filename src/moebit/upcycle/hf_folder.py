@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from moebit.hf.config import FAMILIES, HFDecoderConfig
-from moebit.hf.weights import INDEX, SafetensorsFolder
+from moebit.models.hf.config import FAMILIES, HFDecoderConfig
+from moebit.models.hf.weights import INDEX, SafetensorsFolder
 
 # dense family -> the MoE family it upcycles into (same attention, norms and RoPE)
 SIBLINGS = {"llama": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "olmo2": "flex_olmo"}

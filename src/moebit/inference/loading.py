@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, latest, read_manifest
-from moebit.checkpoint.train_state import load_model_weights
-from moebit.hf import HFDecoder, HFDecoderConfig
+from moebit.checkpoint.weights import load_model_weights
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.models.hf import HFDecoder, HFDecoderConfig
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

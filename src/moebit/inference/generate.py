@@ -1,6 +1,6 @@
 """Batched KV-cache generation for dense, MoE and PR-MoE GPTs, on one rank or many.
 
-    model = load_model("runs/a")                       # moebit.loading: newest checkpoint of a run
+    model = load_model("runs/a")                       # moebit.inference.loading: newest checkpoint of a run
     texts = generate(model, ["def ", "class "], max_new_tokens=64, temperature=0)
 
 Decoding drives the model's own forward with a ``KVCache`` (``models.kv_cache``): the

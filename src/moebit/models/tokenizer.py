@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import jinja2  # torch's own dependency: renders Hugging Face chat templates
 
-from moebit.hf.tokens import load_tokenizer
+from moebit.models.hf.tokens import load_tokenizer
 
 NEWLINE = 10  # an empty prompt starts from a newline byte, as in moebit generate
 

@@ -1,0 +1,1 @@
+"""Mixture-of-Students: the student and its KD stage."""

@@ -1,0 +1,1 @@
+"""Sparse upcycling: dense models become MoE models."""
