@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -47,18 +48,20 @@ def native_enabled() -> bool:
     return os.environ.get("MOEBIT_NATIVE", "1") != "0" and platform.system() == "Linux"
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else ``platform.processor()``."""
     try:
