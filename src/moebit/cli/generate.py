@@ -56,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
     ap.add_argument("--ep-size", type=int, default=0,
                     help="expert-parallel ranks (default: --nproc when the experts divide by it)")
-    ap.add_argument("--quantize", choices=("none", "int8"), default="none",
-                    help="int8: weight-only int8 experts (per-output-channel scales)")
+    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                    help="int8: weight-only int8 experts (per-output-channel scales); "
+                         "int4: int4 experts (one scale per 32 weights)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                     help="weights and activations of the whole model")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
@@ -100,8 +101,9 @@ def _check(args: argparse.Namespace) -> int:
         for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
             print(f"moebit generate: warning: {line}", file=sys.stderr)
         counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
-    if args.quantize == "int8" and not counts:
-        raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
+    if args.quantize != "none" and not counts:
+        raise ValueError(f"--quantize {args.quantize} quantizes experts, and {d} holds a "
+                         f"dense model")
     ep = args.ep_size
     if ep == 0:
         ep = args.nproc if counts and all(e % args.nproc == 0 for e in counts) else 1
@@ -161,9 +163,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
         tok_path = _source(args.checkpoint)[2]
         tok = load_tokenizer(tok_path) if tok_path is not None else None
         report = None
-        if args.quantize == "int8":  # before the cast: the report compares with float32 experts
-
-            report = quantize_experts_(model)
+        if args.quantize != "none":  # before the cast: the report compares with float32 experts
+            report = quantize_experts_(model, bits=int(args.quantize[3:]))
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         load_s = time.perf_counter() - t0

@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
                     help="prompt tokens prefilled per step, over all requests")
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
     ap.add_argument("--ep-size", type=int, default=0, help="expert-parallel ranks (default --nproc)")
-    ap.add_argument("--quantize", choices=("none", "int8"), default="none")
+    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     ap.add_argument("--context", type=int, default=0,
                     help="tokens of context per request (KV-cache columns per slot); 0: the "
@@ -79,8 +79,9 @@ def check(args: argparse.Namespace) -> int:
         d = resolve_checkpoint(args.checkpoint)
         cfg = model_config_of(read_manifest(d), d)
         counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
-    if args.quantize == "int8" and not counts:
-        raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
+    if args.quantize != "none" and not counts:
+        raise ValueError(f"--quantize {args.quantize} quantizes experts, and {d} holds a "
+                         f"dense model")
     ep = args.ep_size or args.nproc
     if ep != args.nproc:
         raise ValueError(f"--ep-size {ep} must equal --nproc {args.nproc}: rank 0 holds every "
@@ -108,8 +109,8 @@ def run_rank(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
     try:
         model, tokenizer = load_for_serving(args, info.rank)
-        if args.quantize == "int8":
-            quantize_experts_(model)
+        if args.quantize != "none":
+            quantize_experts_(model, bits=int(args.quantize[3:]))
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         if info.rank != 0:
