@@ -96,7 +96,8 @@ class Experts(nn.Module):
     ``kernel`` ("auto", "loop", "padded", "grouped", "threaded") may be changed at any
     time; auto measures its candidates (module docstring). The padded path's memory is
     bounded by ``pad_limit``, so skewed or dropless routing never pads E x S rows.
-    ``last_tuned`` holds auto's most recent ``autotune.Tuned`` (choice and times).
+    ``last_tuned`` holds auto's most recent measurement (``autotune.Tuned``: choice and
+    every candidate's time), ``tuned`` every choice this module used, by problem key.
     """
 
     KERNELS = ("auto", "loop", "padded", "grouped", "threaded")
@@ -139,6 +140,7 @@ class Experts(nn.Module):
         self.kernel = kernel
         self.pad_limit = 0.25
         self.last_tuned: autotune.Tuned | None = None
+        self.tuned: dict[str, autotune.Tuned] = {}  # auto's choices by problem key
         kw = {"dtype": dtype, "device": device}
         if gated:
             self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * d_ffn, d_model, **kw))
@@ -269,10 +271,11 @@ class Experts(nn.Module):
         key = self.tune_key(counts, x_ND.dtype, torch.get_num_threads(), train)
         hit = autotune.cached(key)
         if hit is not None and hit.choice in cands:
+            self.tuned[key] = hit
             return hit.choice
         runs = {k: _timed_call(_KERNEL_FNS[k], args, counts, self.expert_type, train)
                 for k in cands}
-        self.last_tuned = autotune.choose(key, runs, default="loop")
+        self.last_tuned = self.tuned[key] = autotune.choose(key, runs, default="loop")
         return self.last_tuned.choice
 
     def _use_padded(self, counts: list[int]) -> bool:
