@@ -92,7 +92,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-static inline __attribute__((always_inline)) void col(
+static inline __attribute__((always_inline)) void col_prescaled(
     const int bits, const int rt, const uint8_t *q, const float *s, const float *x,
     int64_t Kp, int64_t group, float *out, int64_t N) {
     /* na independent sums per row, so that at least 8 FMA chains hide the FMA latency */
@@ -139,6 +139,99 @@ static inline __attribute__((always_inline)) void col(
         out[r * N] = tail[r] + hsum8(t);
     }
 }
+
+/* weights of 32 consecutive K as signed integers in float lanes, not yet scaled */
+static inline __attribute__((always_inline)) void unpack32(const int bits, const uint8_t *q,
+                                                          int64_t k, __m256 w[4]) {
+    if (bits == 8) {
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                       _mm_loadl_epi64((const __m128i *)(q + k + 8 * j))));
+    } else {
+        const __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+        __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    }
+}
+
+/* up to 4 rows: sums of q * x per group, scaled once at the group's end (one FMA per
+   row and group instead of one multiply per 8 weights); registers: rt * (na + 1) + 5 */
+static inline __attribute__((always_inline)) void col_grouped(
+    const int bits, const int rt, const uint8_t *q, const float *s, const float *x,
+    int64_t Kp, int64_t group, float *out, int64_t N) {
+    const int na = rt == 1 ? 4 : rt == 2 ? 4 : rt == 3 ? 2 : 1;
+    __m256 tot[4], ga[4][4];
+    float tail[4] = {0};
+    for (int r = 0; r < rt; r++) tot[r] = _mm256_setzero_ps();
+    for (int64_t g = 0, k = 0; k < Kp; g++) {
+        const int64_t k1 = k + group;
+        for (int r = 0; r < rt; r++)
+            for (int a = 0; a < na; a++) ga[r][a] = _mm256_setzero_ps();
+        for (; k + 32 <= k1; k += 32) {
+            __m256 w[4];
+            unpack32(bits, q, k, w);
+            for (int r = 0; r < rt; r++) {
+                const float *xr = x + r * Kp + k;
+                for (int j = 0; j < 4; j++)
+                    ga[r][j % na] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j),
+                                                    ga[r][j % na]);
+            }
+        }
+        const __m256 sv = _mm256_set1_ps(s[g]);
+        for (int r = 0; r < rt; r++) {
+            __m256 t = ga[r][0];
+            for (int a = 1; a < na; a++) t = _mm256_add_ps(t, ga[r][a]);
+            tot[r] = _mm256_fmadd_ps(t, sv, tot[r]);
+        }
+        for (; k < k1; k++) { /* int8 only: a group that is not a multiple of 32 */
+            const float wv = (float)((const int8_t *)q)[k] * s[g];
+            for (int r = 0; r < rt; r++) tail[r] += wv * x[r * Kp + k];
+        }
+    }
+    for (int r = 0; r < rt; r++) out[r * N] = tail[r] + hsum8(tot[r]);
+}
+
+static inline __attribute__((always_inline)) void col(
+    const int bits, const int rt, const uint8_t *q, const float *s, const float *x,
+    int64_t Kp, int64_t group, float *out, int64_t N) {
+    if (rt <= 4) col_grouped(bits, rt, q, s, x, Kp, group, out, N);
+    else col_prescaled(bits, rt, q, s, x, Kp, group, out, N);
+}
+
+#define HAVE_COL4 1
+/* one activation row (decoding at batch 1) against 4 output columns at once: each x
+   vector is loaded once for 4 weight rows, and the 4 columns are 4 independent chains */
+static inline __attribute__((always_inline)) void col4_row1(
+    const int bits, const uint8_t *q, int64_t rowb, const float *s, int64_t G,
+    const float *x, int64_t Kp, int64_t group, float *out) {
+    __m256 tot[4], ga[4];
+    float tail[4] = {0};
+    for (int c = 0; c < 4; c++) tot[c] = _mm256_setzero_ps();
+    for (int64_t g = 0, k = 0; k < Kp; g++) {
+        const int64_t k1 = k + group;
+        for (int c = 0; c < 4; c++) ga[c] = _mm256_setzero_ps();
+        for (; k + 32 <= k1; k += 32) {
+            __m256 xv[4];
+            for (int j = 0; j < 4; j++) xv[j] = _mm256_loadu_ps(x + k + 8 * j);
+            for (int c = 0; c < 4; c++) {
+                __m256 w[4];
+                unpack32(bits, q + c * rowb, k, w);
+                for (int j = 0; j < 4; j++) ga[c] = _mm256_fmadd_ps(w[j], xv[j], ga[c]);
+            }
+        }
+        for (int c = 0; c < 4; c++)
+            tot[c] = _mm256_fmadd_ps(ga[c], _mm256_set1_ps(s[c * G + g]), tot[c]);
+        for (; k < k1; k++) /* int8 only: a group that is not a multiple of 32 */
+            for (int c = 0; c < 4; c++)
+                tail[c] += (float)((const int8_t *)(q + c * rowb))[k] * s[c * G + g] * x[k];
+    }
+    for (int c = 0; c < 4; c++) out[c] = tail[c] + hsum8(tot[c]);
+}
 #else
 static inline __attribute__((always_inline)) void col(
     const int bits, const int rt, const uint8_t *q, const float *s, const float *x,
@@ -176,13 +269,27 @@ static inline __attribute__((always_inline)) void col(
 }
 #endif
 
+#ifndef HAVE_COL4
+#define HAVE_COL4 0
+static inline void col4_row1(const int bits, const uint8_t *q, int64_t rowb, const float *s,
+                             int64_t G, const float *x, int64_t Kp, int64_t group,
+                             float *out) {
+    (void)bits; (void)q; (void)rowb; (void)s; (void)G; (void)x; (void)Kp; (void)group;
+    (void)out;
+}
+#endif
+
 /* one specialised copy per (bits, rows in the pass): rt and bits are constants inside */
 #define COLS(B)                                                                            \
     static void cols_##B(const uint8_t *q, const float *s, const float *x, int64_t R,     \
                          int64_t N, int64_t Kp, int64_t group, float *y, int64_t n0,      \
                          int64_t n1) {                                                     \
         const int64_t rowb = B == 8 ? Kp : Kp / 2, G = Kp / group;                         \
-        for (int64_t n = n0; n < n1; n++)                                                  \
+        int64_t n = n0;                                                                    \
+        if (HAVE_COL4 && R == 1)                                                           \
+            for (; n + 4 <= n1; n += 4)                                                    \
+                col4_row1(B, q + n * rowb, rowb, s + n * G, G, x, Kp, group, y + n);       \
+        for (; n < n1; n++)                                                                \
             for (int64_t r0 = 0; r0 < R; r0 += RT) {                                       \
                 const uint8_t *qn = q + n * rowb;                                          \
                 const float *sn = s + n * G, *xr = x + r0 * Kp;                            \
