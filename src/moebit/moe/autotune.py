@@ -59,8 +59,12 @@ def enabled() -> bool:
 
 def cache_path() -> str:
     """``MOEBIT_AUTOTUNE_CACHE``, else ~/.cache/moebit/autotune.json."""
-    return os.environ.get("MOEBIT_AUTOTUNE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "moebit", "autotune.json")
+    return _cache_path(os.environ.get("MOEBIT_AUTOTUNE_CACHE", ""))
+
+
+@functools.cache
+def _cache_path(env: str) -> str:  # looked up on every kernel call: computed once
+    return env or os.path.join(os.path.expanduser("~"), ".cache", "moebit", "autotune.json")
 
 
 def machine_key() -> str:
