@@ -33,9 +33,9 @@ from tqdm import tqdm
 
 from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, broadcast_params_, init_from_env
-from moebit.inference.generate import generate
-from moebit.models.build import build_model
+from moebit.inference.generate import generate_tokens
 from moebit.models.interface import CausalLM, is_expert_param
+from moebit.models.registry import build_model, family_of
 from moebit.moe import split_params_for_ep, update_router_biases_
 from moebit.optim import build_optimizer
 from moebit.runs import tracking
@@ -179,14 +179,25 @@ def progress(info: DistInfo, label: str, steps: int, first: int) -> tqdm | None:
                 file=sys.stderr, dynamic_ncols=True)
 
 
+def samples(cfg: TrainConfig, model: CausalLM) -> list[str]:
+    """A few continuations of code-like prompts, through the model's own tokenizer."""
+    tok = family_of(cfg.model_config()).tokenizer(Path(cfg.init_from) if cfg.init_from else None)
+    prompts = SAMPLE_PROMPTS[: cfg.samples]
+    # every rank decodes every prompt (in lockstep under expert parallelism): a prompt's
+    # text does not depend on the rank, and no rank is left without rows
+    res = generate_tokens(model, [tok.encode(p) for p in prompts], max_new_tokens=120,
+                          seed=cfg.seed, shard=False)
+    return [p + tok.decode(ids) for p, ids in zip(prompts, res.tokens, strict=True)]
+
+
 def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None = None
           ) -> dict[str, Any]:
     """Train on this rank from the config (or resume), and return the ``end`` record."""
     hooks = hooks or Hooks()
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
-    if cfg.init_from:  # a Hugging Face model trains on its tokenizer's ids
-        corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
+    # a model from a folder trains on its tokenizer's ids; moebit's GPT on bytes
+    corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
@@ -298,9 +309,8 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     summary = end_record(cfg, model, opt, meter, val_loss, time.perf_counter() - t_start,
                          corpus.unigram_entropy())
     summary.update(hooks.end(loop, summary))
-    if cfg.samples and not cfg.init_from:  # byte prompts: moebit's GPT only
-        texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
-        summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]
+    if cfg.samples:
+        summary["samples"] = samples(cfg, model)
     say(summary)
     tracking.close_trackers(trackers)
     if log is not None:
