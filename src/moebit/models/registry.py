@@ -69,6 +69,11 @@ def config_from_dict(d: dict[str, Any], where: str = "model_config") -> Any:
     return family_of_dict(d, where).config_from_dict(d)
 
 
+def new_model(cfg: Any) -> CausalLM:
+    """A freshly initialised model (torch's RNG) of a model config of any family."""
+    return family_of(cfg).build(cfg)
+
+
 class HasModelConfig(Protocol):
     init_from: str | None
 
@@ -83,4 +88,4 @@ def build_model(cfg: HasModelConfig) -> CausalLM:
     init = getattr(cfg, "init_from", None)
     if init:
         return fam.load_folder(mcfg, Path(init))
-    return fam.build(mcfg)
+    return new_model(mcfg)
