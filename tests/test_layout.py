@@ -181,3 +181,19 @@ def test_lower_layers_import_nothing_above_them():
             if m == layer or m.startswith(layer + "."):
                 for n in _top_level_imports(p, modules, m):
                     assert any(n == a or n.startswith(a + ".") for a in allowed), f"{m} imports {n}"
+
+
+def test_files_and_functions_stay_small():
+    """No module above about 450 lines and no function above about 100: a newcomer reads
+    one job per file, and the loop reads as its named phases."""
+    big_files, big_funcs = [], []
+    for p in SRC.rglob("*.py"):
+        text = p.read_text()
+        if text.count("\n") > 460:
+            big_files.append(f"{p.relative_to(SRC)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if n > 100:
+                    big_funcs.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name}: {n} lines")
+    assert not big_files and not big_funcs, big_files + big_funcs

@@ -40,7 +40,9 @@ from moebit.models.gpt import GPT
 from moebit.models.registry import new_model
 from moebit.training.config import TrainConfig, build
 from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
-from moebit.training.loop import autocast, clip_gradients, evaluate, lr_at, make_optimizer, param_groups
+from moebit.training.evaluation import autocast, evaluate
+from moebit.training.grads import clip_gradients
+from moebit.training.setup import lr_at, make_optimizer, param_groups
 
 PEERS = ("powersgd", "fp16")
 ONE_BUCKET_MB = 1 << 14  # 16 GiB: every gradient of any model this runs lands in one bucket

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.inference.loading import load_model, resolve_checkpoint
 from moebit.training.data import load_corpus, val_batches
-from moebit.training.loop import evaluate
+from moebit.training.evaluation import evaluate
 from moebit.training.tokenized import corpus_for_model
 
 matplotlib.use("Agg")  # files only: no display on a training machine

@@ -29,7 +29,9 @@ import torch.distributed as dist
 from moebit.comm.compressed import OnebitAllreduce
 from moebit.models.registry import new_model
 from moebit.training.config import TrainConfig, validate
-from moebit.training.loop import autocast, clip_gradients, make_optimizer, param_groups
+from moebit.training.evaluation import autocast
+from moebit.training.grads import clip_gradients
+from moebit.training.setup import make_optimizer, param_groups
 
 
 def _timeit(fn: Any, reps: int, warmup: int = 2) -> float:

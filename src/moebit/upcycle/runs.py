@@ -37,7 +37,7 @@ from moebit.models.gpt import GPTConfig, moe_config_for
 from moebit.models.gpt_family import GPT_FAMILY
 from moebit.models.interface import CausalLM
 from moebit.training.config import TrainConfig, build
-from moebit.training.loop import make_optimizer, param_groups
+from moebit.training.setup import make_optimizer, param_groups
 from moebit.training.state import optimizer_state
 from moebit.upcycle.core import ExpertCopier, warn_unless_dense
 
