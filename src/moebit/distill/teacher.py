@@ -48,7 +48,7 @@ def find_teacher(source: str | Path) -> Teacher:
     fam = family_of_folder(p)
     if fam is not None:
         return Teacher(p, None, fam.read_folder_config(p), fam, p, {})
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").is_file() and not (p / "checkpoints").is_dir():
         raise DistillError(f"--teacher {str(p)!r}: not a run folder (no config.json)")
     if not (p / "checkpoints").is_dir():
         raise DistillError(f"--teacher {str(p)!r} has a config.json but neither safetensors "

@@ -26,6 +26,7 @@ import torch
 
 from moebit.models.interface import CausalLM
 from moebit.models.tokenizer import Tokenizer
+from moebit.models.upcycling import UpcycleSpec
 from moebit.moe import MoEConfig
 
 
@@ -100,6 +101,9 @@ class ModelFamily(Protocol):
     def save_folder(self, model: CausalLM, out: Path) -> Path: ...
 
     def stored_dtype(self, cfg: Any) -> torch.dtype | None: ...
+
+    # -- Sparse upcycling of a dense model folder into an empty folder ``out``
+    def upcycle_folder(self, src: Path, out: Path, spec: UpcycleSpec) -> str: ...
 
     # -- text
     def tokenizer(self, source: Path | None) -> Tokenizer: ...

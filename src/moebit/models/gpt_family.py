@@ -16,6 +16,7 @@ from moebit.models.family import Fits, LayerPattern
 from moebit.models.gpt import GPT, GPTConfig, gpt_ep_groups, moe_config_for
 from moebit.models.interface import CausalLM
 from moebit.models.tokenizer import ByteTokenizer, Tokenizer
+from moebit.models.upcycling import UpcycleSpec
 from moebit.moe import MoEConfig
 
 # what a student must share with its teacher to start from its weights
@@ -88,6 +89,9 @@ class GPTFamily:
 
     def stored_dtype(self, cfg: GPTConfig) -> torch.dtype | None:
         return None  # its checkpoints keep the training dtype (float32)
+
+    def upcycle_folder(self, src: Path, out: Path, spec: UpcycleSpec) -> str:
+        raise ValueError("moebit's GPT upcycles run folders (moebit.upcycle.runs), not model folders")
 
     def tokenizer(self, source: Path | None) -> Tokenizer:
         return ByteTokenizer()

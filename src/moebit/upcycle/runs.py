@@ -1,6 +1,6 @@
 """Sparse upcycling of a moebit run: a dense checkpoint becomes an MoE one.
 
-The algorithm is ``moebit.upcycle.core`` (experts copy the dense MLP, routers start near
+The algorithm is ``moebit.models.upcycling`` (experts copy the dense MLP, routers start near
 zero); this front end maps moebit's GPT names and layouts (experts stacked [E, d, f], the
 dense Linear's weight [f, d]) and writes the result as an ordinary run folder: config.json
 (the dense run's settings with the MoE ones) and a complete checkpoint at the dense run's
@@ -36,10 +36,10 @@ from moebit.inference.loading import model_config_of, resolve_checkpoint
 from moebit.models.gpt import GPTConfig, moe_config_for
 from moebit.models.gpt_family import GPT_FAMILY
 from moebit.models.interface import CausalLM
+from moebit.models.upcycling import ExpertCopier, warn_unless_dense
 from moebit.training.config import TrainConfig, build
 from moebit.training.setup import make_optimizer, param_groups
 from moebit.training.state import optimizer_state
-from moebit.upcycle.core import ExpertCopier, warn_unless_dense
 
 # Expert tensor -> (dense MLP tensor, transpose?): Experts hold x @ w1 [d, f], the dense
 # Linear holds weight [f, d].

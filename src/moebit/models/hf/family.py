@@ -26,8 +26,10 @@ from moebit.models.hf import build_empty, dtype_of, is_hf_folder, load_hf_weight
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES, HFDecoderConfig, read_config
 from moebit.models.hf.decoder import HFDecoder, moe_config_for
 from moebit.models.hf.tokens import TOKENIZER_FILE
+from moebit.models.hf.upcycle import upcycle_into
 from moebit.models.interface import CausalLM
 from moebit.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from moebit.models.upcycling import UpcycleSpec
 from moebit.moe import MoEConfig, expert_parallel_groups
 
 # HFDecoderConfig fields a student may differ in from its teacher (depth and its pattern,
@@ -120,6 +122,10 @@ class HFFamily:
     def stored_dtype(self, cfg: HFDecoderConfig) -> torch.dtype | None:
         """The dtype config.json says the weights were saved in (``dtype``/``torch_dtype``)."""
         return dtype_of("auto", cfg)
+
+    def upcycle_folder(self, src: Path, out: Path, spec: UpcycleSpec) -> str:
+        """Llama -> Mixtral, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE, OLMo2 -> FlexOlmo."""
+        return upcycle_into(src, out, spec)
 
     def tokenizer(self, source: Path | None) -> Tokenizer:
         """The folder's tokenizer.json; without one, bytes (where the vocabulary covers them)."""

@@ -8,9 +8,9 @@ the dense MLP's output: the upcycled model computes what the dense one did, and 
 continues from the dense model's loss instead of from scratch.
 
 The families differ only in names and layouts (moebit's GPT stacks its experts [E, d, f];
-Hugging Face folders hold one tensor per expert) and in what their routers' settings mean;
-the front ends (``runs.py`` for a moebit run, ``hf_folder.py`` for a Hugging Face folder)
-map those and call these functions.
+Hugging Face folders hold one tensor per expert) and in what their routers' settings mean:
+each family maps those (``ModelFamily.upcycle_folder``; moebit's GPT upcycles runs,
+``moebit.upcycle.runs``) and calls these functions; ``UpcycleSpec`` says what to make.
 """
 
 from __future__ import annotations
@@ -19,6 +19,36 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class UpcycleSpec:
+    """How to upcycle, in every family's terms. ``moe_every`` and ``mlp_only_layers`` are
+    the layer pattern (the Qwen families' ``decoder_sparse_step``, ``mlp_only_layers``;
+    Mixtral and FlexOlmo make every layer MoE). ``shared_expert`` (Qwen2-MoE): the shared
+    expert is a copy of the dense MLP and the routed experts' down projections are halved,
+    so that sigmoid(0) = 1/2 of each adds up to the dense MLP; without it the shared expert
+    has width 0 (none). A family refuses the options it has no meaning for."""
+
+    num_experts: int
+    num_experts_per_tok: int = 2
+    noise_std: float = 0.0
+    router_std: float = 1e-3
+    moe_every: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    norm_topk_prob: bool = True
+    shared_expert: bool = False
+    router_aux_loss_coef: float = 0.001  # transformers' default for these families
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_experts(self.num_experts, self.num_experts_per_tok)
+        check_noise(self.noise_std, self.router_std)
+        if self.moe_every < 1:
+            raise ValueError(f"upcycle: moe_every must be >= 1, got {self.moe_every}")
+
+    def copier(self) -> ExpertCopier:
+        return ExpertCopier(self.noise_std, self.router_std, self.seed)
 
 
 @dataclass
