@@ -1,0 +1,403 @@
+"""DiLoCo and Streaming DiLoCo: an outer optimizer around any inner optimizer.
+
+DiLoCo (Douillard et al. 2023, arXiv:2311.08105): each worker takes H inner steps alone;
+then the pseudo-gradient Delta = theta_sync - theta_now (theta_sync: the parameters at the
+last sync, the same on every worker) is averaged over the outer group and fed to an outer
+SGD with Nesterov momentum that starts from theta_sync:
+
+    m     <- mu*m + mean(Delta)
+    u     =  mean(Delta) + mu*m        (Nesterov; plain momentum: u = m)
+    theta_sync <- theta_sync - lr*u,   and every worker moves to theta_sync.
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512) cuts the model into F fragments
+of consecutive blocks; fragment i syncs at inner steps H + o_i, 2H + o_i, ... with
+o_i = floor(i*H/F), so the traffic of one sync is spread over the interval. A fragment's
+exchange starts at step s and is applied at step s + D (``delay``): the D inner steps in
+between run while the pseudo-gradient is on the wire. The late outer point is mixed into the
+parameters that moved meanwhile: theta = alpha*theta_local + (1-alpha)*theta_sync.
+Pseudo-gradients may travel in bf16, int8 (INTELLECT-1) or 1 bit with error feedback
+(``moebit.optim.outer_compress``).
+
+Why a separate object rather than a ``torch.optim.Optimizer`` wrapping the inner one: the
+training loop sets ``lr`` in every group of its optimizer each step (the schedule), decides
+how gradients are averaged from the optimizer's attributes (``averages_gradients``,
+``next_step_averages_exactly``), reports 1-bit freezes and saves the optimizer's own state
+section. A wrapper would have to forward all of that and its own learning rate would be
+overwritten by the inner schedule. So the inner optimizer stays exactly what the loop
+already drives, and the loop adds one call per step, ``outer.step()`` after ``opt.step()``,
+plus ``outer.state_dict()`` / ``load_state_dict()`` in its checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moebit.comm import collectives, stats
+from moebit.comm.quantize import DEFAULT_BLOCK
+from moebit.optim.base import check_range, check_step_arg, tensors_in
+from moebit.optim.outer_compress import COMPRESSIONS, make_exchange
+
+__all__ = ["OuterOptimizer", "SyncRecord", "module_blocks"]
+
+Blocks = Iterable[torch.Tensor] | Iterable[Iterable[torch.Tensor] | nn.Module]
+
+
+def module_blocks(blocks: Blocks) -> list[list[torch.Tensor]]:
+    """Blocks as lists of trainable parameters, each parameter in the first block holding it.
+
+    ``blocks`` is a flat iterable of parameters (each one its own block) or an iterable of
+    blocks, each an ``nn.Module`` or an iterable of parameters: for a transformer, the
+    embedding, then each layer, then the final norm and head. Tied parameters appear once.
+    """
+    seen: set[int] = set()
+    out: list[list[torch.Tensor]] = []
+    for b in blocks:
+        items = [b] if isinstance(b, torch.Tensor) else list(
+            b.parameters() if isinstance(b, nn.Module) else b)
+        block = []
+        for p in items:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"outer optimizer blocks hold tensors, got {type(p).__name__}")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                block.append(p)
+        if block:
+            out.append(block)
+    return out
+
+
+def split_fragments(blocks: list[list[torch.Tensor]], fragments: int) -> list[list[torch.Tensor]]:
+    """``fragments`` groups of consecutive blocks, as equal in block count as possible."""
+    if fragments > len(blocks):
+        raise ValueError(f"invalid outer_fragments {fragments}: more fragments than the "
+                         f"{len(blocks)} blocks of trainable parameters")
+    bounds = [(i * len(blocks)) // fragments for i in range(fragments + 1)]
+    return [[p for b in blocks[lo:hi] for p in b] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass
+class SyncRecord:
+    """One finished outer sync, for the loop's metrics (``as_metrics``)."""
+
+    step: int  # the inner step at which the outer update was applied
+    started: int  # the inner step at which its exchange started (step - delay)
+    fragment: int
+    pseudo_grad_norm: float  # ||Delta|| of this rank, before compression
+    outer_grad_norm: float  # ||mean(Delta)|| as exchanged (identical on the outer group)
+    seconds: float  # the exchange itself (in the background when delay > 0)
+    wait_seconds: float  # how long the training thread was blocked on it
+    bytes_sent: int  # this rank's outer bytes for this sync
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"outer_{k}": v for k, v in asdict(self).items()}
+
+
+@dataclass
+class _Fragment:
+    params: list[torch.Tensor]
+    offset: int
+    sync: torch.Tensor  # float32 flat: theta at the last sync (the outer parameters)
+    momentum: torch.Tensor  # float32 flat
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in self.params]),
+                                             self.params, strict=True)]
+
+
+@dataclass
+class _Pending:
+    """An exchange started and not yet applied."""
+
+    fragment: int
+    started: int
+    due: int
+    local_norm: float
+    thread: threading.Thread | None = None
+    average: torch.Tensor | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    bytes_sent: int = 0
+
+
+class OuterOptimizer:
+    """DiLoCo / Streaming DiLoCo around ``inner`` (see the module docstring).
+
+    ``blocks``: the parameters to sync, as ``module_blocks`` takes them; every parameter the
+    inner optimizer trains must be in one. ``group``: the outer process group (from
+    ``moebit.comm.outer_groups.outer_groups``; with ``delay`` > 0 it must be a group no
+    other code uses, since the exchange runs in a background thread). All replicas of the
+    outer group must hold the same parameters when this is built (broadcast them first).
+
+    Call ``step()`` once after every inner ``opt.step()`` that was taken (not after a
+    skipped step). ``last_sync`` is the ``SyncRecord`` of a sync finished at that step, or
+    None. Options: ``every`` H (``outer_every``), ``lr``, ``momentum``, ``nesterov``,
+    ``compress`` (none | bf16 | int8 | 1bit), ``fragments`` F, ``delay`` D < H/F, ``alpha``
+    (mixing of a late update, in [0, 1)), ``int8_block``.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, blocks: Blocks,
+                 group: dist.ProcessGroup | None = None, *, every: int, lr: float = 0.7,
+                 momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
+                 fragments: int = 1, delay: int = 0, alpha: float = 0.0,
+                 int8_block: int = DEFAULT_BLOCK) -> None:
+        self.every = check_step_arg("outer_every", every, "inner steps between outer syncs")
+        self.lr = check_range("outer_lr", lr, 0.0, lo_open=True)
+        self.momentum = check_range("outer_momentum", momentum, 0.0, 1.0)
+        if self.momentum >= 1.0:
+            raise ValueError(f"invalid outer_momentum {momentum!r}: must be below 1")
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"invalid outer_nesterov {nesterov!r}: expected true or false")
+        self.nesterov = nesterov
+        if compress not in COMPRESSIONS:
+            raise ValueError(f"invalid outer_compress {compress!r}: expected one of "
+                             f"{', '.join(COMPRESSIONS)}")
+        self.compress = compress
+        self.fragments = check_step_arg("outer_fragments", fragments, "fragments of the model")
+        if self.fragments > self.every:
+            raise ValueError(f"invalid outer_fragments {fragments}: at most outer_every="
+                             f"{every} (each fragment needs its own step of the interval)")
+        self.delay = check_step_arg("outer_delay", delay, "inner steps an exchange overlaps",
+                                    minimum=0)
+        if self.delay * self.fragments >= self.every:
+            raise ValueError(
+                f"invalid outer_delay {delay}: must be below outer_every/outer_fragments = "
+                f"{every}/{fragments}, so that one fragment's exchange ends before the next starts")
+        self.alpha = check_range("outer_alpha", alpha, 0.0, 1.0)
+        if self.alpha >= 1.0:
+            raise ValueError(f"invalid outer_alpha {alpha!r}: must be below 1 (1 never applies "
+                             "the outer update)")
+        self.inner = inner
+        self.group = group
+        self.world = collectives.world_size(group)
+        if self.delay > 0 and group is None and self.world > 1:
+            raise ValueError(
+                "outer_delay > 0 runs the exchange in a background thread, which must not share "
+                "the default process group with the training loop: pass a dedicated outer group "
+                "(moebit.comm.outer_groups.outer_groups)")
+        parts = split_fragments(module_blocks(blocks), self.fragments)
+        check_inner(inner, [p for part in parts for p in part], group)
+        self._frags = []
+        for i, params in enumerate(parts):
+            frag = _Fragment(params, (i * self.every) // self.fragments,
+                             torch.empty(0), torch.empty(0))
+            frag.sync = frag.flat()
+            frag.momentum = torch.zeros_like(frag.sync)
+            self._frags.append(frag)
+        self.exchange = make_exchange(compress, group, int8_block)
+        self.step_count = 0  # inner steps taken
+        self.sync_count = 0  # outer updates applied (all fragments)
+        self.last_sync: SyncRecord | None = None
+        self._pending: _Pending | None = None
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self) -> SyncRecord | None:
+        """Count one inner step; finish a due exchange, start a scheduled one."""
+        self.step_count += 1
+        t = self.step_count
+        self.last_sync = None
+        if self._pending is not None and self._pending.due == t:
+            self._finish(t)
+        i = self.fragment_starting_at(t)
+        if i is not None:
+            self._start(i, t)
+        return self.last_sync
+
+    def fragment_starting_at(self, t: int) -> int | None:
+        """The fragment whose exchange starts at inner step ``t`` (1-based), if any."""
+        if t < self.every:
+            return None
+        for i, f in enumerate(self._frags):
+            if t % self.every == f.offset:
+                return i
+        return None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an exchange has started and not been applied yet."""
+        return self._pending is not None
+
+    def _start(self, i: int, t: int) -> None:
+        frag = self._frags[i]
+        self._inner_sync()
+        delta = frag.sync - frag.flat()
+        pending = _Pending(i, t, t + self.delay, float(delta.norm()))
+        self._pending = pending
+        if self.delay == 0:
+            self._run_exchange(pending, delta)
+            self._finish(t)
+        else:
+            pending.thread = threading.Thread(target=self._run_exchange, args=(pending, delta),
+                                              name=f"moebit-outer-{i}", daemon=True)
+            pending.thread.start()
+
+    def _run_exchange(self, pending: _Pending, delta: torch.Tensor) -> None:
+        """The collective part (in a background thread when delay > 0)."""
+        try:
+            before = _outer_bytes()
+            t0 = time.perf_counter()
+            pending.average = self.exchange.average(delta, f"fragment{pending.fragment}")
+            pending.seconds = time.perf_counter() - t0
+            pending.bytes_sent = _outer_bytes() - before
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
+            pending.error = e
+
+    def _resolve(self) -> tuple[_Pending, float]:
+        """Wait for the pending exchange; returns it and the seconds spent waiting."""
+        pending = self._pending
+        assert pending is not None
+        t0 = time.perf_counter()
+        if pending.thread is not None:
+            pending.thread.join()
+            pending.thread = None
+        if pending.error is not None:
+            raise RuntimeError(f"outer exchange of fragment {pending.fragment} (started at inner "
+                               f"step {pending.started}) failed: {pending.error}") from pending.error
+        return pending, time.perf_counter() - t0
+
+    def _finish(self, t: int) -> None:
+        pending, waited = self._resolve()
+        avg = pending.average
+        assert avg is not None
+        frag = self._frags[pending.fragment]
+        if self.delay > 0:
+            self._inner_sync()
+        buf = frag.momentum
+        buf.mul_(self.momentum).add_(avg)
+        update = avg.add(buf, alpha=self.momentum) if self.nesterov else buf
+        frag.sync.sub_(update, alpha=self.lr)
+        for p, new in zip(frag.params, frag.views(frag.sync), strict=True):
+            if self.alpha == 0.0:
+                p.copy_(new)
+            else:
+                p.copy_(torch.lerp(new, p.float(), self.alpha))
+            anchor = self.inner.state.get(p, {}).get("anchor")
+            if anchor is not None:  # 0/1 Adam's local steps restart from the new point
+                anchor.copy_(p)
+        self._pending = None
+        self.sync_count += 1
+        self.last_sync = SyncRecord(t, pending.started, pending.fragment, pending.local_norm,
+                                    float(avg.norm()), pending.seconds, waited,
+                                    pending.bytes_sent)
+
+    def _inner_sync(self) -> None:
+        """0/1 Adam's replicas drift within the inner group between its own syncs: agree
+        first, so that every member of the node sends and receives the same thing."""
+        sync = getattr(self.inner, "synchronize", None)
+        if callable(sync):
+            sync()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's outer state: an in-flight exchange is waited for and its average saved,
+        so a resume applies it at the same step as the straight run (every rank of the outer
+        group must save at the same step, as a checkpoint does)."""
+        pending = None
+        if self._pending is not None:
+            p, _ = self._resolve()
+            pending = {"fragment": p.fragment, "started": p.started, "due": p.due,
+                       "local_norm": p.local_norm, "average": p.average.clone(),
+                       "seconds": p.seconds, "bytes_sent": p.bytes_sent}
+        return {"outer": {
+            "version": 1, "step": self.step_count, "sync_count": self.sync_count,
+            "outer_every": self.every, "outer_fragments": self.fragments,
+            "outer_delay": self.delay, "outer_compress": self.compress,
+            "numels": [f.sync.numel() for f in self._frags],
+            "sync": [f.sync.clone() for f in self._frags],
+            "momentum": [f.momentum.clone() for f in self._frags],
+            "exchange": self.exchange.state_dict(), "pending": pending,
+        }}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` saved by this rank with the same schedule and layout.
+
+        ``outer_lr``, ``outer_momentum``, ``outer_nesterov`` and ``outer_alpha`` are this
+        object's own (they may change on resume); the schedule keys must match.
+        """
+        s = state.get("outer")
+        if not isinstance(s, dict) or s.get("version") != 1:
+            raise ValueError("not an outer optimizer state_dict (no 'outer' section of version 1)")
+        mine = {"outer_every": self.every, "outer_fragments": self.fragments,
+                "outer_delay": self.delay, "outer_compress": self.compress}
+        for key, value in mine.items():
+            if s.get(key) != value:
+                raise ValueError(f"outer optimizer state has {key}={s.get(key)!r}, this run "
+                                 f"{value!r}: the schedule cannot change mid-run")
+        numels = [f.sync.numel() for f in self._frags]
+        if list(s["numels"]) != numels:
+            raise ValueError(f"outer optimizer state holds fragments of {list(s['numels'])} "
+                             f"elements, these parameters {numels}")
+        if self._pending is not None:
+            self._resolve()
+        for f, sync, mom in zip(self._frags, s["sync"], s["momentum"], strict=True):
+            f.sync.copy_(sync)
+            f.momentum.copy_(mom)
+        self.exchange.load_state_dict(s["exchange"])
+        self.step_count, self.sync_count = int(s["step"]), int(s["sync_count"])
+        p = s["pending"]
+        self._pending = None if p is None else _Pending(
+            int(p["fragment"]), int(p["started"]), int(p["due"]), float(p["local_norm"]),
+            average=p["average"].to(self._frags[0].sync.device).float(),
+            seconds=float(p["seconds"]), bytes_sent=int(p["bytes_sent"]))
+        self.last_sync = None
+
+    def close(self) -> None:
+        """Wait for an exchange still in flight (at the end of a run)."""
+        if self._pending is not None and self._pending.thread is not None:
+            self._pending.thread.join()
+
+    def state_bytes(self) -> int:
+        """Bytes of outer state: theta_sync and the momentum (2 float32 copies of the model),
+        plus the 1-bit error buffers."""
+        total = sum(2 * 4 * f.sync.numel() for f in self._frags)
+        for t in tensors_in(self.exchange.state_dict()):
+            total += t.numel() * t.element_size()
+        return total
+
+
+def check_inner(inner: Any, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Refuse what cannot be wrapped: not an optimizer, parameters it does not train (or
+    trains but no fragment syncs), and inner groups that average across the outer group."""
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"outer optimizer: the inner optimizer must be a torch.optim.Optimizer "
+                        f"(AdamW, OnebitAdam, ZeroOneAdam, OnebitLamb), got {type(inner).__name__}")
+    trained = {id(p) for g in inner.param_groups for p in g["params"] if p.requires_grad}
+    synced = {id(p) for p in params}
+    if synced - trained:
+        raise ValueError(f"outer optimizer: {len(synced - trained)} parameter(s) of the blocks "
+                         "are not trained by the inner optimizer")
+    if trained - synced:
+        raise ValueError(f"outer optimizer: the inner optimizer trains {len(trained - synced)} "
+                         "parameter(s) that no block holds; their replicas would never sync")
+    if not dist.is_initialized() or collectives.world_size() == 1:
+        return
+    me = dist.get_rank()
+    outer = set(dist.get_process_group_ranks(group)) if group is not None else set(
+        range(dist.get_world_size()))
+    default = getattr(inner, "_default_pg", None)
+    for gi, g in enumerate(inner.param_groups):
+        pg = g.get("process_group", default)
+        ranks = set(dist.get_process_group_ranks(pg)) if pg is not None else set(
+            range(dist.get_world_size()))
+        shared = sorted((ranks & outer) - {me})
+        if shared:
+            raise ValueError(
+                f"outer optimizer: inner param group {gi} averages over ranks {sorted(ranks)}, "
+                f"which include ranks {shared} of the outer group: give it the inner group "
+                "as process_group (moebit.comm.outer_groups.inner_param_groups)")
+
+
+def _outer_bytes() -> int:
+    return sum(o.bytes_sent for k, o in stats.snapshot().by_kind().items() if k == "outer")
+
