@@ -273,10 +273,12 @@ class OuterOptimizer:
         frag = self._frags[pending.fragment]
         if self.delay > 0:
             self._inner_sync()
+        # Plain products, not add(alpha=): torch fuses those into FMAs, whose rounding
+        # differs from the formula m = mu*m + avg, theta -= lr*(avg + mu*m) written out.
         buf = frag.momentum
         buf.mul_(self.momentum).add_(avg)
-        update = avg.add(buf, alpha=self.momentum) if self.nesterov else buf
-        frag.sync.sub_(update, alpha=self.lr)
+        update = avg + buf * self.momentum if self.nesterov else buf
+        frag.sync.sub_(update * self.lr)
         for p, new in zip(frag.params, frag.views(frag.sync), strict=True):
             if self.alpha == 0.0:
                 p.copy_(new)
