@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,10 +100,16 @@ class SyncRecord:
         return {f"outer_{k}": v for k, v in asdict(self).items()}
 
 
+def marked_expert(p: torch.Tensor) -> bool:
+    """moebit.moe's mark on expert weights (this layer cannot import moe)."""
+    return bool(getattr(p, "moebit_expert", False))
+
+
 @dataclass
 class _Fragment:
-    params: list[torch.Tensor]
+    params: list[torch.Tensor]  # dense ones first, then experts (``dense`` of them dense)
     offset: int
+    dense: int  # elements of the dense part
     sync: torch.Tensor  # float32 flat: theta at the last sync (the outer parameters)
     momentum: torch.Tensor  # float32 flat
 
@@ -143,14 +149,16 @@ class OuterOptimizer:
     skipped step). ``last_sync`` is the ``SyncRecord`` of a sync finished at that step, or
     None. Options: ``every`` H (``outer_every``), ``lr``, ``momentum``, ``nesterov``,
     ``compress`` (none | bf16 | int8 | 1bit), ``fragments`` F, ``delay`` D < H/F, ``alpha``
-    (mixing of a late update, in [0, 1)), ``int8_block``.
+    (mixing of a late update, in [0, 1)), ``int8_block``. ``is_expert`` tells expert
+    parameters (default: moebit.moe's mark), which are exchanged apart from dense ones.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, blocks: Blocks,
                  group: dist.ProcessGroup | None = None, *, every: int, lr: float = 0.7,
                  momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
-                 int8_block: int = DEFAULT_BLOCK) -> None:
+                 int8_block: int = DEFAULT_BLOCK,
+                 is_expert: Callable[[torch.Tensor], bool] = marked_expert) -> None:
         self.every = check_step_arg("outer_every", every, "inner steps between outer syncs")
         self.lr = check_range("outer_lr", lr, 0.0, lo_open=True)
         self.momentum = check_range("outer_momentum", momentum, 0.0, 1.0)
@@ -189,8 +197,10 @@ class OuterOptimizer:
         check_inner(inner, [p for part in parts for p in part], group)
         self._frags = []
         for i, params in enumerate(parts):
-            frag = _Fragment(params, (i * self.every) // self.fragments,
-                             torch.empty(0), torch.empty(0))
+            dense = [p for p in params if not is_expert(p)]
+            experts = [p for p in params if is_expert(p)]
+            frag = _Fragment(dense + experts, (i * self.every) // self.fragments,
+                             sum(p.numel() for p in dense), torch.empty(0), torch.empty(0))
             frag.sync = frag.flat()
             frag.momentum = torch.zeros_like(frag.sync)
             self._frags.append(frag)
@@ -247,11 +257,21 @@ class OuterOptimizer:
         try:
             before = _outer_bytes()
             t0 = time.perf_counter()
-            pending.average = self.exchange.average(delta, f"fragment{pending.fragment}")
+            pending.average = self._average(delta, self._frags[pending.fragment],
+                                            f"fragment{pending.fragment}")
             pending.seconds = time.perf_counter() - t0
             pending.bytes_sent = _outer_bytes() - before
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             pending.error = e
+
+    def _average(self, delta: torch.Tensor, frag: _Fragment, name: str) -> torch.Tensor:
+        """Dense and expert parts travel apart: the ranks of a node hold other experts, and
+        a compression scale shared with them would make the dense averages differ there."""
+        k = frag.dense
+        if k == 0 or k == delta.numel():
+            return self.exchange.average(delta, name)
+        return torch.cat([self.exchange.average(delta[:k], name),
+                          self.exchange.average(delta[k:], f"{name}.expert")])
 
     def _resolve(self) -> tuple[_Pending, float]:
         """Wait for the pending exchange; returns it and the seconds spent waiting."""
