@@ -164,6 +164,17 @@ def _refusals(rank: int, groups) -> dict:
     return errors
 
 
+def _synchronize(rank: int, groups) -> dict:
+    """Streaming with mixing never makes the replicas equal; synchronize() does, in flight."""
+    model, opt, outer = _make(groups, "adamw", "int8", 2, 1, 0.5)
+    _train(model, opt, outer, rank, range(8))  # fragment 0 started at 8, due at 9
+    mixed = flat_params(model)
+    in_flight = outer.in_flight
+    outer.synchronize()
+    return {"mixed": mixed, "agreed": flat_params(model), "in_flight": in_flight,
+            "after": (outer.in_flight, outer.sync_count)}
+
+
 def _everything(rank: int, world: int) -> dict:
     groups = outer_groups("world")
     return {
@@ -175,6 +186,7 @@ def _everything(rank: int, world: int) -> dict:
         "resume_diloco": _resume(rank, groups, ("onebit_adam", "1bit", 1, 0, 0.0), 6, 11),
         "resume_streaming": _resume(rank, groups, ("adamw", "int8", 2, 1, 0.5), 8, 15),
         "refusals": _refusals(rank, groups),
+        "synchronize": _synchronize(rank, groups),
     }
 
 
@@ -284,3 +296,10 @@ def test_inner_groups_that_span_the_outer_group_are_refused(ranks):
     assert "process_group" in errors["world_inner"]
     assert "outer_delay > 0" in errors["default_group_delay"]
     assert all("\n" not in e for e in errors.values())
+
+
+def test_synchronize_ends_on_one_agreed_point(ranks):
+    r0, r1 = ranks[0]["synchronize"], ranks[1]["synchronize"]
+    assert r0["in_flight"] and not torch.equal(r0["mixed"], r1["mixed"])
+    assert torch.equal(r0["agreed"], r1["agreed"])
+    assert r0["after"] == (False, 2 + 1 + 2)  # syncs at 4 and 6, the one in flight, then both

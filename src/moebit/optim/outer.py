@@ -32,55 +32,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moebit.comm import collectives, stats
 from moebit.comm.quantize import DEFAULT_BLOCK
 from moebit.optim.base import check_range, check_step_arg, tensors_in
 from moebit.optim.outer_compress import COMPRESSIONS, make_exchange
+from moebit.optim.outer_params import Blocks, check_inner, marked_expert, module_blocks, split_fragments
 
-__all__ = ["OuterOptimizer", "SyncRecord", "module_blocks"]
-
-Blocks = Iterable[torch.Tensor] | Iterable[Iterable[torch.Tensor] | nn.Module]
-
-
-def module_blocks(blocks: Blocks) -> list[list[torch.Tensor]]:
-    """Blocks as lists of trainable parameters, each parameter in the first block holding it.
-
-    ``blocks`` is a flat iterable of parameters (each one its own block) or an iterable of
-    blocks, each an ``nn.Module`` or an iterable of parameters: for a transformer, the
-    embedding, then each layer, then the final norm and head. Tied parameters appear once.
-    """
-    seen: set[int] = set()
-    out: list[list[torch.Tensor]] = []
-    for b in blocks:
-        items = [b] if isinstance(b, torch.Tensor) else list(
-            b.parameters() if isinstance(b, nn.Module) else b)
-        block = []
-        for p in items:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"outer optimizer blocks hold tensors, got {type(p).__name__}")
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                block.append(p)
-        if block:
-            out.append(block)
-    return out
-
-
-def split_fragments(blocks: list[list[torch.Tensor]], fragments: int) -> list[list[torch.Tensor]]:
-    """``fragments`` groups of consecutive blocks, as equal in block count as possible."""
-    if fragments > len(blocks):
-        raise ValueError(f"invalid outer_fragments {fragments}: more fragments than the "
-                         f"{len(blocks)} blocks of trainable parameters")
-    bounds = [(i * len(blocks)) // fragments for i in range(fragments + 1)]
-    return [[p for b in blocks[lo:hi] for p in b] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+__all__ = ["Blocks", "OuterOptimizer", "SyncRecord", "module_blocks"]
 
 
 @dataclass
@@ -98,11 +63,6 @@ class SyncRecord:
 
     def as_metrics(self) -> dict[str, float]:
         return {f"outer_{k}": v for k, v in asdict(self).items()}
-
-
-def marked_expert(p: torch.Tensor) -> bool:
-    """moebit.moe's mark on expert weights (this layer cannot import moe)."""
-    return bool(getattr(p, "moebit_expert", False))
 
 
 @dataclass
@@ -238,15 +198,27 @@ class OuterOptimizer:
         """Whether an exchange has started and not been applied yet."""
         return self._pending is not None
 
-    def _start(self, i: int, t: int) -> None:
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Make every worker hold the same point now (the end of a run): apply an exchange in
+        flight, then sync every fragment at once, without mixing. A collective over the outer
+        group: call it on every rank at the same step. Training may go on afterwards; the
+        schedule is unchanged."""
+        t = self.step_count
+        if self._pending is not None:
+            self._finish(t)
+        for i in range(len(self._frags)):
+            self._start(i, t, at_once=True)
+
+    def _start(self, i: int, t: int, at_once: bool = False) -> None:
         frag = self._frags[i]
         self._inner_sync()
         delta = frag.sync - frag.flat()
-        pending = _Pending(i, t, t + self.delay, float(delta.norm()))
+        pending = _Pending(i, t, t + (0 if at_once else self.delay), float(delta.norm()))
         self._pending = pending
-        if self.delay == 0:
+        if at_once or self.delay == 0:
             self._run_exchange(pending, delta)
-            self._finish(t)
+            self._finish(t, mix=not at_once)
         else:
             pending.thread = threading.Thread(target=self._run_exchange, args=(pending, delta),
                                               name=f"moebit-outer-{i}", daemon=True)
@@ -286,12 +258,15 @@ class OuterOptimizer:
                                f"step {pending.started}) failed: {pending.error}") from pending.error
         return pending, time.perf_counter() - t0
 
-    def _finish(self, t: int) -> None:
+    def _finish(self, t: int, mix: bool = True) -> None:
+        """Apply the pending exchange: the outer Nesterov step from theta_sync, then the
+        parameters move there (mixed with their local value by alpha when ``mix``)."""
         pending, waited = self._resolve()
         avg = pending.average
         assert avg is not None
         frag = self._frags[pending.fragment]
-        if self.delay > 0:
+        alpha = self.alpha if mix else 0.0
+        if pending.started != t:  # the parameters moved while the exchange was in flight
             self._inner_sync()
         # Plain products, not add(alpha=): torch fuses those into FMAs, whose rounding
         # differs from the formula m = mu*m + avg, theta -= lr*(avg + mu*m) written out.
@@ -300,10 +275,10 @@ class OuterOptimizer:
         update = avg + buf * self.momentum if self.nesterov else buf
         frag.sync.sub_(update * self.lr)
         for p, new in zip(frag.params, frag.views(frag.sync), strict=True):
-            if self.alpha == 0.0:
+            if alpha == 0.0:
                 p.copy_(new)
             else:
-                p.copy_(torch.lerp(new, p.float(), self.alpha))
+                p.copy_(torch.lerp(new, p.float(), alpha))
             anchor = self.inner.state.get(p, {}).get("anchor")
             if anchor is not None:  # 0/1 Adam's local steps restart from the new point
                 anchor.copy_(p)
@@ -386,38 +361,6 @@ class OuterOptimizer:
         for t in tensors_in(self.exchange.state_dict()):
             total += t.numel() * t.element_size()
         return total
-
-
-def check_inner(inner: Any, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Refuse what cannot be wrapped: not an optimizer, parameters it does not train (or
-    trains but no fragment syncs), and inner groups that average across the outer group."""
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"outer optimizer: the inner optimizer must be a torch.optim.Optimizer "
-                        f"(AdamW, OnebitAdam, ZeroOneAdam, OnebitLamb), got {type(inner).__name__}")
-    trained = {id(p) for g in inner.param_groups for p in g["params"] if p.requires_grad}
-    synced = {id(p) for p in params}
-    if synced - trained:
-        raise ValueError(f"outer optimizer: {len(synced - trained)} parameter(s) of the blocks "
-                         "are not trained by the inner optimizer")
-    if trained - synced:
-        raise ValueError(f"outer optimizer: the inner optimizer trains {len(trained - synced)} "
-                         "parameter(s) that no block holds; their replicas would never sync")
-    if not dist.is_initialized() or collectives.world_size() == 1:
-        return
-    me = dist.get_rank()
-    outer = set(dist.get_process_group_ranks(group)) if group is not None else set(
-        range(dist.get_world_size()))
-    default = getattr(inner, "_default_pg", None)
-    for gi, g in enumerate(inner.param_groups):
-        pg = g.get("process_group", default)
-        ranks = set(dist.get_process_group_ranks(pg)) if pg is not None else set(
-            range(dist.get_world_size()))
-        shared = sorted((ranks & outer) - {me})
-        if shared:
-            raise ValueError(
-                f"outer optimizer: inner param group {gi} averages over ranks {sorted(ranks)}, "
-                f"which include ranks {shared} of the outer group: give it the inner group "
-                "as process_group (moebit.comm.outer_groups.inner_param_groups)")
 
 
 def _outer_bytes() -> int:
