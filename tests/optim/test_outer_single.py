@@ -10,7 +10,13 @@ from torch import nn
 
 from moebit.comm import stats
 from moebit.comm.quantize import Int8Allreduce, dequantize_blocks, quantize_blocks
-from moebit.optim import OnebitAdam, OuterOptimizer, build_outer_optimizer, module_blocks
+from moebit.optim import (
+    OnebitAdam,
+    OuterOptimizer,
+    ZeroOneAdam,
+    build_outer_optimizer,
+    module_blocks,
+)
 
 from toys import flat_params, regression_batch, regression_mlp
 
@@ -172,3 +178,17 @@ def test_int8_blocks_round_to_within_half_a_step():
     avg = Int8Allreduce(None, block=64).allreduce(x[:1000])  # world 1: two roundings
     assert avg.shape == (1000,)
     torch.testing.assert_close(avg, x[:1000], rtol=0, atol=float(x.abs().max()) / 100)
+
+
+def test_zero_one_adam_restarts_its_local_steps_from_the_outer_point():
+    """0/1 Adam measures its local progress from an anchor: after the outer step moved the
+    parameters, the anchor must be the new point, or the next sync counts the jump as
+    progress (and folds it into the momentum)."""
+    model = regression_mlp()
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2, local_step_scaler=100,
+                      local_step_clipper=8)
+    outer = OuterOptimizer(opt, model.parameters(), every=5, lr=0.7)
+    records = _run(model, opt, outer, range(5))
+    assert [r.step for r in records] == [5] and opt.frozen_at == 2 and opt.since_sync == 0
+    for p in model.parameters():
+        assert torch.equal(opt.state[p]["anchor"], p.detach())
