@@ -267,7 +267,7 @@ def test_sync_records_and_outer_bytes(ranks):
     by_compress = {case[1]: reps[case] for case in CASES if case[2] == 1}
     rec = by_compress["none"]["records"][0]
     assert rec["outer_step"] == 4 and rec["outer_started"] == 4 and rec["outer_fragment"] == 0
-    assert rec["outer_pseudo_grad_norm"] > 0 and rec["outer_outer_grad_norm"] > 0
+    assert rec["outer_pseudo_grad_norm"] > 0 and rec["outer_mean_pseudo_grad_norm"] > 0
     assert rec["outer_seconds"] >= 0 and rec["outer_bytes_sent"] > 0
     n = by_compress["none"]["numel"]
     assert by_compress["none"]["outer_bytes"] == 3 * 4 * n  # ring of 2: (2*(W-1)/W)*4n per sync

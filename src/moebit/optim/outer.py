@@ -56,7 +56,7 @@ class SyncRecord:
     started: int  # the inner step at which its exchange started (step - delay)
     fragment: int
     pseudo_grad_norm: float  # ||Delta|| of this rank, before compression
-    outer_grad_norm: float  # ||mean(Delta)|| as exchanged (identical on the outer group)
+    mean_pseudo_grad_norm: float  # ||mean(Delta)|| as exchanged (the same on the outer group)
     seconds: float  # the exchange itself (in the background when delay > 0)
     wait_seconds: float  # how long the training thread was blocked on it
     bytes_sent: int  # this rank's outer bytes for this sync
