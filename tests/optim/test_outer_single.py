@@ -192,3 +192,8 @@ def test_zero_one_adam_restarts_its_local_steps_from_the_outer_point():
     assert [r.step for r in records] == [5] and opt.frozen_at == 2 and opt.since_sync == 0
     for p in model.parameters():
         assert torch.equal(opt.state[p]["anchor"], p.detach())
+
+
+def test_int8_block_setting_is_checked_under_its_key():
+    with pytest.raises(ValueError, match="outer_int8_block"):
+        _setup(compress="int8", int8_block=0)

@@ -41,9 +41,16 @@ import torch.distributed as dist
 
 from moebit.comm import collectives, stats
 from moebit.comm.quantize import DEFAULT_BLOCK
-from moebit.optim.base import check_range, check_step_arg, tensors_in
-from moebit.optim.outer_compress import COMPRESSIONS, make_exchange
-from moebit.optim.outer_params import Blocks, check_inner, marked_expert, module_blocks, split_fragments
+from moebit.optim.base import tensors_in
+from moebit.optim.outer_compress import make_exchange
+from moebit.optim.outer_params import (
+    Blocks,
+    OuterSettings,
+    check_inner,
+    marked_expert,
+    module_blocks,
+    split_fragments,
+)
 
 __all__ = ["Blocks", "OuterOptimizer", "SyncRecord", "module_blocks"]
 
@@ -119,32 +126,11 @@ class OuterOptimizer:
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  int8_block: int = DEFAULT_BLOCK,
                  is_expert: Callable[[torch.Tensor], bool] = marked_expert) -> None:
-        self.every = check_step_arg("outer_every", every, "inner steps between outer syncs")
-        self.lr = check_range("outer_lr", lr, 0.0, lo_open=True)
-        self.momentum = check_range("outer_momentum", momentum, 0.0, 1.0)
-        if self.momentum >= 1.0:
-            raise ValueError(f"invalid outer_momentum {momentum!r}: must be below 1")
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"invalid outer_nesterov {nesterov!r}: expected true or false")
-        self.nesterov = nesterov
-        if compress not in COMPRESSIONS:
-            raise ValueError(f"invalid outer_compress {compress!r}: expected one of "
-                             f"{', '.join(COMPRESSIONS)}")
-        self.compress = compress
-        self.fragments = check_step_arg("outer_fragments", fragments, "fragments of the model")
-        if self.fragments > self.every:
-            raise ValueError(f"invalid outer_fragments {fragments}: at most outer_every="
-                             f"{every} (each fragment needs its own step of the interval)")
-        self.delay = check_step_arg("outer_delay", delay, "inner steps an exchange overlaps",
-                                    minimum=0)
-        if self.delay * self.fragments >= self.every:
-            raise ValueError(
-                f"invalid outer_delay {delay}: must be below outer_every/outer_fragments = "
-                f"{every}/{fragments}, so that one fragment's exchange ends before the next starts")
-        self.alpha = check_range("outer_alpha", alpha, 0.0, 1.0)
-        if self.alpha >= 1.0:
-            raise ValueError(f"invalid outer_alpha {alpha!r}: must be below 1 (1 never applies "
-                             "the outer update)")
+        self.settings = OuterSettings(every, lr, momentum, nesterov, compress, fragments, delay,
+                                      alpha, int8_block)  # raises on a bad setting
+        self.every, self.fragments, self.delay = every, fragments, delay
+        self.lr, self.momentum, self.alpha = float(lr), float(momentum), float(alpha)
+        self.nesterov, self.compress = nesterov, compress
         self.inner = inner
         self.group = group
         self.world = collectives.world_size(group)

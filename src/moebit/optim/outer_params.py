@@ -4,6 +4,7 @@ the checks that refuse an inner optimizer that cannot be wrapped."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,8 +12,52 @@ import torch.distributed as dist
 from torch import nn
 
 from moebit.comm import collectives
+from moebit.optim.base import check_range, check_step_arg
+from moebit.optim.outer_compress import COMPRESSIONS
 
-__all__ = ["Blocks", "check_inner", "marked_expert", "module_blocks", "split_fragments"]
+__all__ = ["Blocks", "OuterSettings", "check_inner", "marked_expert", "module_blocks",
+           "split_fragments"]
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """The outer optimizer's settings, checked on construction: a bad one is a one-line
+    ValueError naming its flat key (``outer_every``...), as a config file spells it."""
+
+    every: int
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    compress: str = "none"
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    int8_block: int = 256
+
+    def __post_init__(self) -> None:
+        check_step_arg("outer_every", self.every, "inner steps between outer syncs")
+        check_range("outer_lr", self.lr, 0.0, lo_open=True)
+        if check_range("outer_momentum", self.momentum, 0.0, 1.0) >= 1.0:
+            raise ValueError(f"invalid outer_momentum {self.momentum!r}: must be below 1")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"invalid outer_nesterov {self.nesterov!r}: expected true or false")
+        if self.compress not in COMPRESSIONS:
+            raise ValueError(f"invalid outer_compress {self.compress!r}: expected one of "
+                             f"{', '.join(COMPRESSIONS)}")
+        check_step_arg("outer_fragments", self.fragments, "fragments of the model")
+        if self.fragments > self.every:
+            raise ValueError(f"invalid outer_fragments {self.fragments}: at most outer_every="
+                             f"{self.every} (each fragment needs its own step of the interval)")
+        check_step_arg("outer_delay", self.delay, "inner steps an exchange overlaps", minimum=0)
+        if self.delay * self.fragments >= self.every:
+            raise ValueError(
+                f"invalid outer_delay {self.delay}: must be below outer_every/outer_fragments = "
+                f"{self.every}/{self.fragments}, so that one fragment's exchange ends before the "
+                "next starts")
+        if check_range("outer_alpha", self.alpha, 0.0, 1.0) >= 1.0:
+            raise ValueError(f"invalid outer_alpha {self.alpha!r}: must be below 1 (1 never "
+                             "applies the outer update)")
+        check_step_arg("outer_int8_block", self.int8_block, "elements per int8 scale")
+
 
 Blocks = Iterable[torch.Tensor] | Iterable[Iterable[torch.Tensor] | nn.Module]
 
