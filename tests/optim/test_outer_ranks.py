@@ -19,7 +19,7 @@ from moebit.optim.outer_compress import make_exchange
 from moebit.testing import run_on_ranks
 from moebit.training.state import load_optimizer_state, optimizer_state
 
-from toys import fit, flat_params, regression_batch, regression_mlp
+from toys import fit, flat_params, held_out_loss, regression_batch, regression_mlp
 
 TIMEOUT = 150
 
@@ -175,6 +175,17 @@ def _synchronize(rank: int, groups) -> dict:
             "after": (outer.in_flight, outer.sync_count)}
 
 
+def _converges(rank: int, groups) -> dict:
+    """Held-out loss before and after 40 inner steps of DiLoCo (H=4), per compression."""
+    out = {}
+    for compress in ("none", "bf16", "int8", "1bit"):
+        model, opt, outer = _make(groups, "adamw", compress, 1, 0, 0.0)
+        start = held_out_loss(model)
+        _train(model, opt, outer, rank, range(40))
+        out[compress] = (start, held_out_loss(model))
+    return out
+
+
 def _everything(rank: int, world: int) -> dict:
     groups = outer_groups("world")
     return {
@@ -187,6 +198,7 @@ def _everything(rank: int, world: int) -> dict:
         "resume_streaming": _resume(rank, groups, ("adamw", "int8", 2, 1, 0.5), 8, 15),
         "refusals": _refusals(rank, groups),
         "synchronize": _synchronize(rank, groups),
+        "converges": _converges(rank, groups),
     }
 
 
@@ -303,3 +315,14 @@ def test_synchronize_ends_on_one_agreed_point(ranks):
     assert r0["in_flight"] and not torch.equal(r0["mixed"], r1["mixed"])
     assert torch.equal(r0["agreed"], r1["agreed"])
     assert r0["after"] == (False, 2 + 1 + 2)  # syncs at 4 and 6, the one in flight, then both
+
+
+@pytest.mark.parametrize("compress", ["none", "bf16", "int8", "1bit"])
+def test_diloco_lowers_the_held_out_loss_with_every_compression(ranks, compress):
+    start, end = ranks[0]["converges"][compress]
+    exact_end = ranks[0]["converges"]["none"][1]
+    if compress == "1bit":  # one sign per element: the error buffers catch up over syncs,
+        assert end < 0.9 * start  # and 10 syncs are few (3.80 -> 3.01 against 2.12 here)
+    else:
+        assert end < 0.6 * start
+        assert end < 1.05 * exact_end  # bf16 and int8 cost nothing visible at this scale

@@ -29,6 +29,7 @@ from moebit.optim.lamb import Lamb
 from moebit.optim.onebit_adam import OnebitAdam
 from moebit.optim.onebit_lamb import OnebitLamb
 from moebit.optim.outer import OuterOptimizer, SyncRecord, module_blocks
+from moebit.optim.outer_params import OuterSettings
 from moebit.optim.zero_one_adam import ZeroOneAdam
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "OUTER_KEYS",
     "OptimizerSettings",
     "OuterOptimizer",
+    "OuterSettings",
     "SyncRecord",
     "ZeroOneAdam",
     "build_optimizer",
