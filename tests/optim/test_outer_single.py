@@ -11,9 +11,9 @@ from torch import nn
 from moebit.comm import stats
 from moebit.comm.quantize import Int8Allreduce, dequantize_blocks, quantize_blocks
 from moebit.optim import (
-    OnebitAdam,
     OuterOptimizer,
     ZeroOneAdam,
+    build_optimizer,
     build_outer_optimizer,
     module_blocks,
 )
@@ -157,12 +157,15 @@ def test_sync_records_carry_norms_time_and_the_outer_kind():
     assert stats.kind_of("onebit.phase1") == "onebit"  # the inner optimizer's stays apart
 
 
-def test_a_compressed_inner_optimizer_can_be_wrapped():
+@pytest.mark.parametrize("name", ["onebit_adam", "lamb"])
+def test_moebit_inner_optimizers_can_be_wrapped(name):
     model = regression_mlp()
-    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    start = flat_params(model)
+    opt = build_optimizer(name, model.parameters(), lr=1e-2, freeze_step=2)
     outer = OuterOptimizer(opt, model.parameters(), every=3, compress="int8")
     records = _run(model, opt, outer, range(7))
-    assert [r.step for r in records] == [3, 6] and opt.frozen_at == 2
+    assert [r.step for r in records] == [3, 6]
+    assert getattr(opt, "frozen_at", 2) == 2 and not torch.equal(flat_params(model), start)
 
 
 def test_int8_blocks_round_to_within_half_a_step():
