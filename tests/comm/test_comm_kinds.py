@@ -1,4 +1,5 @@
-"""Bytes per collective kind: token all-to-all, exact gradient averages, 1-bit, DDP hooks."""
+"""Bytes per collective kind: token all-to-all, exact gradient averages, 1-bit, DiLoCo's
+outer exchanges, DDP hooks."""
 
 from moebit.comm import stats
 
@@ -9,6 +10,8 @@ def test_every_op_moebit_issues_has_its_kind() -> None:
         "grad_allreduce": "exact", "allreduce.dense": "exact", "ddp.allreduce": "exact",
         "onebit_adam.warmup": "exact", "zero_one_adam.var": "exact",
         "onebit.phase1": "onebit", "onebit.header": "onebit",
+        "outer.fp32": "outer", "outer.bf16": "outer", "outer.int8.phase1": "outer",
+        "outer.onebit.phase2": "outer", "outer.onebit.header": "outer",
         "ddp.powersgd": "ddp_hook", "ddp.fp16": "ddp_hook",
         "nan_check": "other", "freeze_check": "other",
     }

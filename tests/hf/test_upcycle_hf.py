@@ -13,7 +13,9 @@ from hf_models import BASE, run_moebit, text_corpus, train_tokenizer
 from moebit.cli.upcycle import main as upcycle_main
 from moebit.hf import from_pretrained, is_hf_folder, save_pretrained
 from moebit.inference.generate import generate_tokens
-from moebit.upcycle.hf_folder import HFUpcycleSpec, moe_config_json, upcycle_hf
+from moebit.models.hf.upcycle import moe_config_json
+from moebit.models.upcycling import UpcycleSpec
+from moebit.upcycle.folders import upcycle_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,7 +136,7 @@ CASES = {  # id: (dense family, spec, MoE family, MoE layers)
 def test_upcycled_model_computes_the_dense_model(case, tmp_path):
     dense_family, spec, moe_family, layers = CASES[case]
     ref = make_dense(dense_family, tmp_path / "dense")
-    upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(**spec))
+    upcycle_folder(tmp_path / "dense", tmp_path / "up", UpcycleSpec(**spec))
     up = _load_hf(tmp_path / "up")  # transformers loads it: every tensor in its place
     assert up.config.model_type == moe_family and is_hf_folder(tmp_path / "up")
     shards = set(json.loads((tmp_path / "up" / "model.safetensors.index.json").read_text())
@@ -174,7 +176,7 @@ def test_upcycled_folder_under_expert_parallelism(tmp_path):
     from moebit.testing import run_on_ranks
 
     ref = make_dense("olmo2", tmp_path / "dense")
-    upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(num_experts=4))
+    upcycle_folder(tmp_path / "dense", tmp_path / "up", UpcycleSpec(num_experts=4))
     results = run_on_ranks(_ep_logits, world=2, args=(str(tmp_path / "up"),), timeout=240)
     with torch.no_grad():
         want = ref(_ids()).logits
@@ -188,8 +190,8 @@ def test_noise_and_unnormalised_weights_move_off_the_dense_model(tmp_path):
     ids = _ids()
     for name, spec in (("noise", dict(noise_std=0.05)), ("raw", dict(norm_topk_prob=False))):
         with pytest.warns(UserWarning, match="away from the dense"):
-            upcycle_hf(tmp_path / "dense", tmp_path / name,
-                       HFUpcycleSpec(num_experts=4, num_experts_per_tok=2, **spec))
+            upcycle_folder(tmp_path / "dense", tmp_path / name,
+                       UpcycleSpec(num_experts=4, num_experts_per_tok=2, **spec))
         with torch.no_grad():
             gap = (_load_hf(tmp_path / name)(ids).logits - ref(ids).logits).abs().max()
         assert gap > 1e-3, name
@@ -202,7 +204,7 @@ def test_upcycle_is_deterministic_in_its_seed(tmp_path):
     spec = dict(num_experts=4, noise_std=0.01)
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         with pytest.warns(UserWarning, match="noised"):
-            upcycle_hf(tmp_path / "dense", tmp_path / name, HFUpcycleSpec(**spec, seed=seed))
+            upcycle_folder(tmp_path / "dense", tmp_path / name, UpcycleSpec(**spec, seed=seed))
     shard = "model-00002-of-00004.safetensors"
     a, b, c = (load_file(tmp_path / n / shard) for n in "abc")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -213,7 +215,7 @@ def test_upcycle_keeps_the_checkpoint_dtype(tmp_path):
     from safetensors import safe_open
 
     make_dense("qwen3", tmp_path / "fp32").to(torch.bfloat16).save_pretrained(tmp_path / "dense")
-    upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(num_experts=4, noise_std=0.0))
+    upcycle_folder(tmp_path / "dense", tmp_path / "up", UpcycleSpec(num_experts=4, noise_std=0.0))
     assert json.loads((tmp_path / "up" / "config.json").read_text())["dtype"] == "bfloat16"
     for f in (tmp_path / "up").glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as h:
@@ -231,14 +233,14 @@ def test_a_missing_mlp_tensor_is_named_and_leaves_no_folder(tmp_path):
     del sd["model.layers.1.mlp.up_proj.weight"]
     save_file(sd, str(f), metadata={"format": "pt"})
     with pytest.raises(KeyError, match="no tensor model.layers.1.mlp.up_proj.weight"):
-        upcycle_hf(tmp_path / "dense", tmp_path / "up", HFUpcycleSpec(num_experts=4))
+        upcycle_folder(tmp_path / "dense", tmp_path / "up", UpcycleSpec(num_experts=4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no partial output
 
 
 def test_config_keeps_the_dense_attention_and_sets_the_moe_keys():
     dense = {**BASE, "model_type": "qwen2", "intermediate_size": 40, "tie_word_embeddings": True,
              "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
-    cfg = moe_config_json(dense, HFUpcycleSpec(num_experts=8, num_experts_per_tok=2, moe_every=2))
+    cfg = moe_config_json(dense, UpcycleSpec(num_experts=8, num_experts_per_tok=2, moe_every=2))
     assert cfg["model_type"] == "qwen2_moe" and cfg["architectures"] == ["Qwen2MoeForCausalLM"]
     assert cfg["num_experts"] == 8 and cfg["moe_intermediate_size"] == 40
     assert cfg["shared_expert_intermediate_size"] == 0 and cfg["qkv_bias"] is True

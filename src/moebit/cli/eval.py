@@ -29,7 +29,7 @@ from tqdm import tqdm
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.inference.loading import load_model, resolve_checkpoint
 from moebit.training.data import load_corpus, val_batches
-from moebit.training.loop import evaluate
+from moebit.training.evaluation import evaluate
 from moebit.training.tokenized import corpus_for_model
 
 matplotlib.use("Agg")  # files only: no display on a training machine
@@ -88,8 +88,8 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     bsz = batch_size or int(run_cfg["batch_size"])
     corpus = load_corpus(run_cfg.get("data"), run_cfg.get("encoding", "utf-8"),
                          run_cfg.get("encoding_errors", "strict"))
-    if run_cfg.get("init_from"):  # a Hugging Face model: its tokenizer's ids (cached)
-        corpus = corpus_for_model(corpus, run_cfg["init_from"], model.config.vocab_size)
+    # a model from a folder reads its tokenizer's ids (cached); moebit's GPT reads bytes
+    corpus = corpus_for_model(corpus, run_cfg.get("init_from"), model.config.vocab_size)
     if as_trained:
         wins = val_batches(corpus.val, block, int(run_cfg["batch_size"]),
                            batches or int(run_cfg["eval_batches"]), int(run_cfg["seed"]))

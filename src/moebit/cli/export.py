@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moebit.checkpoint import read_manifest
 from moebit.inference.loading import load_model, resolve_checkpoint
-from moebit.models.hf import HFDecoder, save_pretrained
+from moebit.models.registry import family_of
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "generation_config.json")
@@ -36,10 +36,10 @@ def export(checkpoint: str | Path, to: str | Path) -> Path:
     """Write the checkpoint's model as a Hugging Face folder; returns the folder."""
     d = resolve_checkpoint(checkpoint)
     model = load_model(d)
-    if not isinstance(model, HFDecoder):
-        raise ValueError(f"{d} holds a moebit GPT; export writes Hugging Face families only "
-                         "(train with --init-from HF_DIR)")
-    out = save_pretrained(model, to)
+    try:
+        out = family_of(model.config).save_folder(model, Path(to))
+    except ValueError as e:
+        raise ValueError(f"{d}: {e}") from None
     init = (read_manifest(d).get("config") or {}).get("init_from")
     for name in COPIED:
         src = Path(init) / name if init else None

@@ -23,15 +23,14 @@ computes what the dense one did; a Hugging Face folder renormalises its top-k we
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from moebit.checkpoint import CheckpointError
-from moebit.models.hf import is_hf_folder
+from moebit.models.registry import family_of_folder
+from moebit.models.upcycling import UpcycleSpec
 from moebit.training.config import ConfigError
-from moebit.upcycle.hf_folder import HFUpcycleSpec, moe_family_of, upcycle_hf
+from moebit.upcycle.folders import upcycle_folder
 from moebit.upcycle.runs import upcycle
 
 # flags of the Hugging Face path only (a run sets these through --set)
@@ -84,7 +83,7 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _hf_spec(args: argparse.Namespace) -> HFUpcycleSpec:
+def _hf_spec(args: argparse.Namespace) -> UpcycleSpec:
     """The Hugging Face path's options; run-only flags are errors naming them."""
     if args.set:
         raise ValueError("--set sets training-config keys of a run; a Hugging Face folder "
@@ -95,7 +94,7 @@ def _hf_spec(args: argparse.Namespace) -> HFUpcycleSpec:
     layers = [int(v) for v in args.mlp_only_layers.split(",")] if args.mlp_only_layers else []
     extra = {} if args.router_aux_loss_coef is None else {
         "router_aux_loss_coef": args.router_aux_loss_coef}
-    return HFUpcycleSpec(
+    return UpcycleSpec(
         num_experts=int(args.num_experts), num_experts_per_tok=args.num_experts_per_tok or 2,
         noise_std=args.noise, router_std=args.router_std, moe_every=args.moe_every or 1,
         mlp_only_layers=layers, norm_topk_prob=not args.no_norm_topk_prob,
@@ -120,8 +119,7 @@ def _run_upcycle(args: argparse.Namespace) -> str:
 
 def _hf_upcycle(args: argparse.Namespace) -> str:
     spec = _hf_spec(args)
-    family = moe_family_of(json.loads((Path(args.run) / "config.json").read_text()))
-    out = upcycle_hf(args.run, args.out, spec)
+    out, family = upcycle_folder(args.run, args.out, spec)
     return (f"wrote {out} ({family}, {spec.num_experts} experts, top-{spec.num_experts_per_tok}); "
             f"train it with: moebit train --init-from {out} ...")
 
@@ -132,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print("moebit upcycle: --noise and --router-std must be >= 0", file=sys.stderr)
         return 2
     try:
-        msg = _hf_upcycle(args) if is_hf_folder(args.run) else _run_upcycle(args)
+        msg = _run_upcycle(args) if family_of_folder(args.run) is None else _hf_upcycle(args)
     except (CheckpointError, ConfigError, ValueError, KeyError, OSError) as e:
         print(f"moebit upcycle: {e}", file=sys.stderr)
         return 2

@@ -106,10 +106,15 @@ class OnebitAllreduce:
     ``segment_elements``: buffers longer than this are cut into segments that go through
     the two phases as a pipeline (packing segment k+1 while segment k is on the wire);
     each chunk of each segment carries its own scale. Every rank must use the same value.
+
+    ``op_prefix`` names this object's traffic in ``moebit.comm.stats`` (``onebit.phase1``
+    ...): DiLoCo's outer exchange passes ``"outer.onebit"`` so its bytes count as kind
+    "outer", apart from a 1-bit inner optimizer's.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, segment_elements: int = DEFAULT_SEGMENT
+        self, group: dist.ProcessGroup | None = None, segment_elements: int = DEFAULT_SEGMENT,
+        op_prefix: str = "onebit",
     ) -> None:
         if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
             raise ValueError(
@@ -135,6 +140,7 @@ class OnebitAllreduce:
             )
         self.backend = dist.get_backend(group) if initialized else None
         self.segment_elements = segment_elements
+        self.op_prefix = op_prefix
         self._bufs: dict[str, _Buffers] = {}
 
     # ------------------------------------------------------------------ state
@@ -239,11 +245,11 @@ class OnebitAllreduce:
                 self._worker(b, segs[k], x)
                 phase1[k] = self._exchange(segs[k].send, segs[k].recv)
             if 0 <= k - 1 < len(segs):
-                self._wait(phase1[k - 1], "onebit.phase1", segs[k - 1])
+                self._wait(phase1[k - 1], f"{self.op_prefix}.phase1", segs[k - 1])
                 self._server(segs[k - 1])
                 phase2[k - 1] = self._exchange(segs[k - 1].send2, segs[k - 1].recv2)
             if 0 <= k - 2 < len(segs):
-                self._wait(phase2[k - 2], "onebit.phase2", segs[k - 2])
+                self._wait(phase2[k - 2], f"{self.op_prefix}.phase2", segs[k - 2])
                 self._decode(segs[k - 2], flat)
         if not direct:
             out.copy_(flat.view(out.shape))
@@ -268,7 +274,7 @@ class OnebitAllreduce:
             sumsq = feedback_step_(x[sl], b.y[sl], seg.ys[r], seg.send[r, :cb])
             seg.ys[r] = math.sqrt(sumsq / (hi - lo))
             seg.send[r, cb:].copy_(_scale_bytes(seg.ys[r], seg.send.device))
-        stats.add_time("onebit.pack", time.perf_counter() - t0)
+        stats.add_time(f"{self.op_prefix}.pack", time.perf_counter() - t0)
 
     def _server(self, seg: _Segment) -> None:
         """Decode sum_i scale_i/W * sign_i of this rank's chunk, add the server error, pack."""
@@ -284,7 +290,7 @@ class OnebitAllreduce:
         seg.send2[0, cb:].copy_(_scale_bytes(seg.zs, seg.send2.device))
         if w > 1:
             seg.send2[1:].copy_(seg.send2[0])  # an all_gather, sent as an all_to_all
-        stats.add_time("onebit.pack", time.perf_counter() - t0)
+        stats.add_time(f"{self.op_prefix}.pack", time.perf_counter() - t0)
 
     def _decode(self, seg: _Segment, flat: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -293,7 +299,7 @@ class OnebitAllreduce:
             lo, hi = seg.chunk_range(r)
             if hi > lo:
                 unpack_scaled(seg.recv2[r, :cb], hi - lo, s, flat[seg.off + lo : seg.off + hi])
-        stats.add_time("onebit.unpack", time.perf_counter() - t0)
+        stats.add_time(f"{self.op_prefix}.unpack", time.perf_counter() - t0)
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> tuple[Any, float]:
         """Start an all_to_all of the rows of ``send`` (row r goes to rank r)."""
@@ -324,7 +330,7 @@ class OnebitAllreduce:
         t0 = time.perf_counter()
         collectives.all_gather_flat(every, mine, group=self.group)
         moved = 8 * (self.world - 1)
-        stats.record("onebit.header", moved, moved, time.perf_counter() - t0)
+        stats.record(f"{self.op_prefix}.header", moved, moved, time.perf_counter() - t0)
         lengths = every.tolist()
         if any(v != n for v in lengths):
             raise ValueError(

@@ -70,20 +70,24 @@ class CommStats:
         return out
 
 
-KINDS = ("a2a", "exact", "onebit", "ddp_hook", "other")
+KINDS = ("a2a", "exact", "onebit", "outer", "ddp_hook", "other")
 
 
 def kind_of(op: str) -> str:
     """Which kind of traffic an operation name is, for per-kind bytes and time.
 
     ``a2a``: the MoE token all-to-all (dispatch, combine, their split sizes); ``onebit``: the
-    compressed optimizer exchanges; ``exact``: full-precision gradient or optimizer-state
+    compressed optimizer exchanges; ``outer``: DiLoCo's pseudo-gradient exchanges
+    (``moebit.optim.outer``, every compression: fp32, bf16, int8, 1-bit), kept apart because
+    they happen once per H steps; ``exact``: full-precision gradient or optimizer-state
     averages (plain allreduces, 1-bit Adam's warm-up, DDP); ``ddp_hook``: torch's
     compressing DDP hooks run as benchmark peers (PowerSGD, fp16); ``other``: small
     control collectives (NaN verdict, freeze check).
     """
     if op.startswith("moe.all_to_all"):
         return "a2a"
+    if op.startswith("outer."):
+        return "outer"
     if op.startswith("onebit."):
         return "onebit"
     if op in ("ddp.powersgd", "ddp.fp16"):

@@ -33,10 +33,10 @@ expert; "grouped" where this torch's CPU grouped_mm runs for the dtype. With
 each choice with every candidate's time.
 
 Why measure instead of a rule: the measurements that once set thresholds here disagree
-across hosts and loads (docs/benchmarks.md): on a quiet 2-core host the threaded kernel
-beat the loop 2.4x for 2048-token training blocks yet lost 1.5x when decoding at 1-3 rows
-per expert, and on a loaded host the padded SwiGLU kernel beat the loop by 13-35% on
-blocks where the quiet host's rule took the loop.
+across hosts and loads (docs/benchmarks/huggingface.md, docs/benchmarks/swiglu-experts.md):
+on a quiet 2-core host the threaded kernel beat the loop 2.4x for 2048-token training
+blocks yet lost 1.5x when decoding at 1-3 rows per expert, and on a loaded host the padded
+SwiGLU kernel beat the loop by 13-35% on blocks where the quiet host's rule took the loop.
 
 - grouped on CUDA (sm80+, where ``grouped_mm_supported``): picked by auto. Not measured
   here (no GPU was lent to this work): one grouped GEMM per projection replaces E kernel

@@ -19,6 +19,8 @@ from torch.optim import Optimizer
 from moebit.optim.lamb import Lamb
 from moebit.optim.onebit_adam import OnebitAdam
 from moebit.optim.onebit_lamb import OnebitLamb
+from moebit.optim.outer import Blocks, OuterOptimizer
+from moebit.optim.outer_compress import COMPRESSIONS as OUTER_COMPRESSIONS
 from moebit.optim.zero_one_adam import ZeroOneAdam
 
 logger = logging.getLogger("moebit.optim")
@@ -139,6 +141,27 @@ def build_optimizer(
     settings = OptimizerSettings(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                  freeze_step=freeze_step, process_group=process_group)
     return factory(param_groups, settings, **extra)
+
+
+# Flat settings keys of low-communication training -> OuterOptimizer keyword; every
+# compression in OUTER_COMPRESSIONS. Defaults are the DiLoCo paper's (lr 0.7, Nesterov 0.9).
+OUTER_KEYS = {"outer_every": "every", "outer_lr": "lr", "outer_momentum": "momentum",
+              "outer_nesterov": "nesterov", "outer_compress": "compress",
+              "outer_fragments": "fragments", "outer_delay": "delay", "outer_alpha": "alpha",
+              "outer_int8_block": "int8_block"}
+
+
+def build_outer_optimizer(inner: Optimizer, blocks: Blocks, group: dist.ProcessGroup | None,
+                          **settings: Any) -> OuterOptimizer:
+    """DiLoCo around ``inner`` from flat keys (``outer_every=50, outer_compress="int8"``...),
+    the names a config file uses; an unknown key is an error naming it."""
+    unknown = sorted(set(settings) - set(OUTER_KEYS))
+    if unknown:
+        raise ValueError(f"unknown outer optimizer key(s) {', '.join(unknown)}; valid: "
+                         f"{', '.join(OUTER_KEYS)} (compressions: {', '.join(OUTER_COMPRESSIONS)})")
+    if "outer_every" not in settings:
+        raise ValueError("outer_every (inner steps between outer syncs) is required")
+    return OuterOptimizer(inner, blocks, group, **{OUTER_KEYS[k]: v for k, v in settings.items()})
 
 
 # DeepSpeed "type" (lower-cased, as DeepSpeed compares it) -> (registry name, params

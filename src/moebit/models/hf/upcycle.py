@@ -7,7 +7,8 @@ are copies of that layer's dense MLP (optionally with Gaussian noise) and its ro
 N(0, router_std), near zero. With renormalised top-k weights (Mixtral always;
 ``norm_topk_prob`` on the others, the default here) a token's k weights sum to 1 and
 identical experts give back the dense MLP's output, so the upcycled model computes what the
-dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it.
+dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it. The
+algorithm is ``moebit.upcycle.core``; this front end maps the Hugging Face names.
 
 The output is an ordinary Hugging Face folder: the MoE family's ``config.json`` and sharded
 safetensors in the per-expert layout that transformers' ``save_pretrained`` writes (shard
@@ -15,16 +16,14 @@ safetensors in the per-expert layout that transformers' ``save_pretrained`` writ
 layer's experts are in memory at a time), plus the source's tokenizer and generation files.
 transformers, ``moebit.hf.from_pretrained`` and ``moebit train --init-from`` load it.
 
-    upcycle_hf("llama-dense/", "mixtral-up/", HFUpcycleSpec(num_experts=8, num_experts_per_tok=2))
+    upcycle_folder("llama-dense/", "mixtral-up/", UpcycleSpec(num_experts=8))   # moebit.upcycle
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from safetensors.torch import save_file
 
 from moebit.models.hf.config import FAMILIES, HFDecoderConfig
 from moebit.models.hf.weights import INDEX, SafetensorsFolder
+from moebit.models.upcycling import ExpertCopier, UpcycleSpec, starts_at_dense, warn_unless_dense
 
 # dense family -> the MoE family it upcycles into (same attention, norms and RoPE)
 SIBLINGS = {"llama": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "olmo2": "flex_olmo"}
@@ -51,27 +51,6 @@ _ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
 _NOT_COPIED = ("config.json", INDEX, "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
-@dataclass
-class HFUpcycleSpec:
-    """How to upcycle. ``moe_every`` and ``mlp_only_layers`` are the Qwen families' layer
-    pattern (``decoder_sparse_step``, ``mlp_only_layers``); Mixtral and FlexOlmo make
-    every layer MoE.
-    ``shared_expert`` (Qwen2-MoE): the shared expert is a copy of the dense MLP and the
-    routed experts' down projections are halved, so that sigmoid(0) = 1/2 of each adds up
-    to the dense MLP; without it the shared expert has width 0 (none)."""
-
-    num_experts: int
-    num_experts_per_tok: int = 2
-    noise_std: float = 0.0
-    router_std: float = 1e-3
-    moe_every: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    norm_topk_prob: bool = True
-    shared_expert: bool = False
-    router_aux_loss_coef: float = 0.001  # transformers' default for these families
-    seed: int = 0
-
-
 def moe_family_of(dense_hf: dict[str, Any]) -> str:
     """The MoE family a dense config.json upcycles into; named errors otherwise."""
     mt = dense_hf.get("model_type")
@@ -84,17 +63,7 @@ def moe_family_of(dense_hf: dict[str, Any]) -> str:
     return SIBLINGS[mt]
 
 
-def _check_spec(spec: HFUpcycleSpec, family: str, n_layers: int) -> None:
-    e, k = spec.num_experts, spec.num_experts_per_tok
-    if e < 1 or k < 1:
-        raise ValueError(f"upcycle: num_experts ({e}) and num_experts_per_tok ({k}) must be >= 1")
-    if e < k:
-        raise ValueError(f"upcycle: num_experts = {e} < num_experts_per_tok = {k}: a token "
-                         "cannot pick more experts than there are")
-    if spec.noise_std < 0 or spec.router_std < 0:
-        raise ValueError("upcycle: noise_std and router_std must be >= 0")
-    if spec.moe_every < 1:
-        raise ValueError(f"upcycle: moe_every must be >= 1, got {spec.moe_every}")
+def _check_spec(spec: UpcycleSpec, family: str, n_layers: int) -> None:
     bad = [i for i in spec.mlp_only_layers if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"upcycle: mlp_only_layers {bad} are outside the {n_layers} layers")
@@ -108,7 +77,7 @@ def _check_spec(spec: HFUpcycleSpec, family: str, n_layers: int) -> None:
         raise ValueError(f"upcycle: shared_expert is Qwen2-MoE's; {family} has none")
 
 
-def moe_config_json(dense_hf: dict[str, Any], spec: HFUpcycleSpec) -> dict[str, Any]:
+def moe_config_json(dense_hf: dict[str, Any], spec: UpcycleSpec) -> dict[str, Any]:
     """The MoE family's config.json: the dense keys (attention, RoPE, norms, vocabulary,
     token ids, dtype) with the MoE keys of ``spec``; each expert is as wide as the MLP."""
     family = moe_family_of(dense_hf)
@@ -137,14 +106,18 @@ def moe_config_json(dense_hf: dict[str, Any], spec: HFUpcycleSpec) -> dict[str, 
     return out
 
 
-def preserves_dense_output(spec: HFUpcycleSpec, family: str) -> bool:
-    """Whether the upcycled model computes the dense one's outputs: the k weights sum to 1
-    (renormalised top-k) and no noise makes the experts differ."""
-    return (family == "mixtral" or spec.norm_topk_prob) and spec.noise_std == 0
+def weights_sum_to_one(spec: UpcycleSpec, family: str) -> bool:
+    """Whether a token's k weights sum to 1: renormalised top-k (Mixtral always)."""
+    return family == "mixtral" or spec.norm_topk_prob
+
+
+def preserves_dense_output(spec: UpcycleSpec, family: str) -> bool:
+    """Whether the upcycled model computes the dense one's outputs."""
+    return starts_at_dense(weights_sum_to_one(spec, family), spec.noise_std)
 
 
 def _moe_layer_tensors(src: SafetensorsFolder, cfg: HFDecoderConfig, layer: int,
-                       spec: HFUpcycleSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+                       copier: ExpertCopier) -> dict[str, torch.Tensor]:
     """One MoE layer's router, experts (copies of the dense MLP) and shared expert."""
     dense = {}
     for n in _DENSE_MLP:
@@ -163,14 +136,12 @@ def _moe_layer_tensors(src: SafetensorsFolder, cfg: HFDecoderConfig, layer: int,
     names = _EXPERT_NAMES.get(cfg.model_type, _DEFAULT_EXPERT_NAMES)
     scale = {"down_proj": 0.5} if cfg.shared_expert_intermediate_size else {}
     dtype = dense["gate_proj"].dtype
-    out = {f"{prefix}.gate.weight": (spec.router_std * torch.randn(
-        cfg.num_experts, h, generator=gen)).to(dtype)}
+    out = {f"{prefix}.gate.weight": copier.router((cfg.num_experts, h), dtype)}
+    stacked = {n: copier.experts((dense[n].float() * scale.get(n, 1.0)).to(dtype), cfg.num_experts)
+               for n in _DENSE_MLP}
     for e in range(cfg.num_experts):
         for n, hf_n in zip(_DENSE_MLP, names, strict=True):
-            w = dense[n].float() * scale.get(n, 1.0)
-            if spec.noise_std:
-                w = w + spec.noise_std * torch.randn(w.shape, generator=gen)
-            out[f"{prefix}.experts.{e}.{hf_n}.weight"] = w.to(dtype).contiguous()
+            out[f"{prefix}.experts.{e}.{hf_n}.weight"] = stacked[n][e].contiguous()
     if cfg.model_type == "qwen2_moe":
         shared = cfg.shared_expert_intermediate_size
         for n in _DENSE_MLP:
@@ -180,14 +151,14 @@ def _moe_layer_tensors(src: SafetensorsFolder, cfg: HFDecoderConfig, layer: int,
     return out
 
 
-def _shards(src: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec
+def _shards(src: SafetensorsFolder, cfg: HFDecoderConfig, spec: UpcycleSpec
             ) -> Iterator[dict[str, torch.Tensor]]:
     """Shard 1: every source tensor but the MoE layers' dense MLPs; then one per MoE layer."""
     consumed = {f"model.layers.{i}.mlp.{n}.weight" for i in cfg.moe_layers for n in _DENSE_MLP}
     yield {name: src.read(name) for name in sorted(src.where) if name not in consumed}
-    gen = torch.Generator().manual_seed(spec.seed)
+    copier = spec.copier()
     for layer in cfg.moe_layers:
-        yield _moe_layer_tensors(src, cfg, layer, spec, gen)
+        yield _moe_layer_tensors(src, cfg, layer, copier)
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
@@ -197,10 +168,10 @@ def _copy_side_files(src: Path, out: Path) -> None:
             shutil.copy2(f, out / f.name)
 
 
-def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
-    """Write the upcycled MoE model of the dense Hugging Face folder ``src`` to ``out``
-    (a new or empty folder). Returns ``out``."""
-    src, out = Path(src), Path(out)
+def upcycle_into(src: Path, out: Path, spec: UpcycleSpec) -> str:
+    """Write the upcycled MoE model of the dense Hugging Face folder ``src`` into the empty
+    folder ``out`` (the front end, ``moebit.upcycle.folders``, makes it atomic); returns
+    the MoE family's name."""
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"upcycle: {src / 'config.json'} does not exist")
     dense_hf = json.loads((src / "config.json").read_text())
@@ -209,29 +180,13 @@ def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
     if not cfg.moe_layers:
         raise ValueError(f"upcycle: moe_every = {spec.moe_every} and mlp_only_layers = "
                          f"{spec.mlp_only_layers} leave no MoE layer in {cfg.num_layers} layers")
-    if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):
-        raise ValueError(f"upcycle: the output folder {out} is not empty: pick a new one")
-    if not preserves_dense_output(spec, cfg.model_type):
-        warnings.warn("upcycle: the top-k weights do not sum to 1 (norm_topk_prob off) or the "
-                      "experts are noised: the upcycled model starts away from the dense "
-                      "model's outputs; see docs/moe-routing.md", stacklevel=2)
-    # written next to ``out`` and renamed at the end: an interrupted upcycle leaves no
-    # folder that looks like a complete model (or blocks the next try)
-    tmp = out.parent / f".{out.name}.upcycle-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _write_folder(SafetensorsFolder(src), cfg, spec, moe_hf, tmp)
-        _copy_side_files(src, tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    warn_unless_dense(weights_sum_to_one(spec, cfg.model_type), spec.noise_std)
+    _write_folder(SafetensorsFolder(src), cfg, spec, moe_hf, out)
+    _copy_side_files(src, out)
+    return cfg.model_type
 
 
-def _write_folder(reader: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec,
+def _write_folder(reader: SafetensorsFolder, cfg: HFDecoderConfig, spec: UpcycleSpec,
                   moe_hf: dict[str, Any], folder: Path) -> None:
     """The shards, their index and config.json."""
     n = 1 + len(cfg.moe_layers)

@@ -1,0 +1,134 @@
+"""Which parameters DiLoCo syncs, and how they are cut: blocks, fragments, expert marks, and
+the checks that refuse an inner optimizer that cannot be wrapped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moebit.comm import collectives
+from moebit.optim.base import check_range, check_step_arg
+from moebit.optim.outer_compress import COMPRESSIONS
+
+__all__ = ["Blocks", "OuterSettings", "check_inner", "marked_expert", "module_blocks",
+           "split_fragments"]
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """The outer optimizer's settings, checked on construction: a bad one is a one-line
+    ValueError naming its flat key (``outer_every``...), as a config file spells it."""
+
+    every: int
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    compress: str = "none"
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    int8_block: int = 256
+
+    def __post_init__(self) -> None:
+        check_step_arg("outer_every", self.every, "inner steps between outer syncs")
+        check_range("outer_lr", self.lr, 0.0, lo_open=True)
+        if check_range("outer_momentum", self.momentum, 0.0, 1.0) >= 1.0:
+            raise ValueError(f"invalid outer_momentum {self.momentum!r}: must be below 1")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"invalid outer_nesterov {self.nesterov!r}: expected true or false")
+        if self.compress not in COMPRESSIONS:
+            raise ValueError(f"invalid outer_compress {self.compress!r}: expected one of "
+                             f"{', '.join(COMPRESSIONS)}")
+        check_step_arg("outer_fragments", self.fragments, "fragments of the model")
+        if self.fragments > self.every:
+            raise ValueError(f"invalid outer_fragments {self.fragments}: at most outer_every="
+                             f"{self.every} (each fragment needs its own step of the interval)")
+        check_step_arg("outer_delay", self.delay, "inner steps an exchange overlaps", minimum=0)
+        if self.delay * self.fragments >= self.every:
+            raise ValueError(
+                f"invalid outer_delay {self.delay}: must be below outer_every/outer_fragments = "
+                f"{self.every}/{self.fragments}, so that one fragment's exchange ends before the "
+                "next starts")
+        if check_range("outer_alpha", self.alpha, 0.0, 1.0) >= 1.0:
+            raise ValueError(f"invalid outer_alpha {self.alpha!r}: must be below 1 (1 never "
+                             "applies the outer update)")
+        check_step_arg("outer_int8_block", self.int8_block, "elements per int8 scale")
+
+
+Blocks = Iterable[torch.Tensor] | Iterable[Iterable[torch.Tensor] | nn.Module]
+
+
+def module_blocks(blocks: Blocks) -> list[list[torch.Tensor]]:
+    """Blocks as lists of trainable parameters, each parameter in the first block holding it.
+
+    ``blocks`` is a flat iterable of parameters (each one its own block) or an iterable of
+    blocks, each an ``nn.Module`` or an iterable of parameters: for a transformer, the
+    embedding, then each layer, then the final norm and head. Tied parameters appear once.
+    """
+    seen: set[int] = set()
+    out: list[list[torch.Tensor]] = []
+    for b in blocks:
+        items = [b] if isinstance(b, torch.Tensor) else list(
+            b.parameters() if isinstance(b, nn.Module) else b)
+        block = []
+        for p in items:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"outer optimizer blocks hold tensors, got {type(p).__name__}")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                block.append(p)
+        if block:
+            out.append(block)
+    return out
+
+
+def split_fragments(blocks: list[list[torch.Tensor]], fragments: int) -> list[list[torch.Tensor]]:
+    """``fragments`` groups of consecutive blocks, as equal in block count as possible."""
+    if fragments > len(blocks):
+        raise ValueError(f"invalid outer_fragments {fragments}: more fragments than the "
+                         f"{len(blocks)} blocks of trainable parameters")
+    bounds = [(i * len(blocks)) // fragments for i in range(fragments + 1)]
+    return [[p for b in blocks[lo:hi] for p in b] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+
+def marked_expert(p: torch.Tensor) -> bool:
+    """moebit.moe's mark on expert weights (this layer cannot import moe)."""
+    return bool(getattr(p, "moebit_expert", False))
+
+
+def check_inner(inner: Any, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Refuse what cannot be wrapped: not an optimizer, parameters it does not train (or
+    trains but no fragment syncs), and inner groups that average across the outer group."""
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"outer optimizer: the inner optimizer must be a torch.optim.Optimizer "
+                        f"(AdamW, OnebitAdam, ZeroOneAdam, OnebitLamb), got {type(inner).__name__}")
+    trained = {id(p) for g in inner.param_groups for p in g["params"] if p.requires_grad}
+    synced = {id(p) for p in params}
+    if synced - trained:
+        raise ValueError(f"outer optimizer: {len(synced - trained)} parameter(s) of the blocks "
+                         "are not trained by the inner optimizer")
+    if trained - synced:
+        raise ValueError(f"outer optimizer: the inner optimizer trains {len(trained - synced)} "
+                         "parameter(s) that no block holds; their replicas would never sync")
+    if not dist.is_initialized() or collectives.world_size() == 1:
+        return
+    me = dist.get_rank()
+    outer = set(dist.get_process_group_ranks(group)) if group is not None else set(
+        range(dist.get_world_size()))
+    default = getattr(inner, "_default_pg", None)
+    for gi, g in enumerate(inner.param_groups):
+        pg = g.get("process_group", default)
+        ranks = set(dist.get_process_group_ranks(pg)) if pg is not None else set(
+            range(dist.get_world_size()))
+        shared = sorted((ranks & outer) - {me})
+        if shared:
+            raise ValueError(
+                f"outer optimizer: inner param group {gi} averages over ranks {sorted(ranks)}, "
+                f"which include ranks {shared} of the outer group: give it the inner group "
+                "as process_group (moebit.comm.outer_groups.inner_param_groups)")
+
