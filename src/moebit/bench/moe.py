@@ -12,10 +12,8 @@ Implementations, all on the same input, d_model 512, d_ffn 2048, 4096 tokens by 
   ``kernel="auto"`` runs near-equal expert blocks as padded batched matmuls).
 - ``moebit_loop`` / ``moebit_padded`` / ``moebit_grouped``: the same layer with each expert
   kernel forced, to check what ``kernel="auto"`` picks against the best of them. Auto
-  measures its candidates on first use (``moebit.moe.autotune``); each worker starts
-  from an empty tuning cache, so every run measures afresh, and the report prints what
-  auto chose for each problem (inference forward, training forward+backward) with every
-  candidate's time (``auto`` in the JSON).
+  measures its candidates afresh in each worker (``bench.tuning.fresh_tuning``); the
+  report prints each choice with every candidate's time (``auto`` in the JSON).
 - ``onehot_baseline``: THE BASELINE, not our code path: the GShard one-hot dispatch, a
   [S, E, C] dispatch and combine tensor and two einsums (DeepSpeed's method until 2025),
   with the same router and expert weights.
@@ -58,7 +56,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebit.bench.moe_gated import FLOOR_OF, GATED_BUILDERS, GATED_IMPLS, routed_blocks, summarize
-from moebit.bench.tuning import auto_choices, auto_lines
+from moebit.bench.tuning import auto_choices, auto_lines, fresh_tuning
 from moebit.moe import MoE, MoEConfig
 from moebit.testing import free_port
 
@@ -338,19 +335,11 @@ def run_config(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, dict[str, Any]]:
     cmd = [sys.executable, "-m", "moebit.bench.moe", "--worker", json.dumps(spec)]
-    with tempfile.TemporaryDirectory(prefix="moebit-bench-tune-") as tune:
-        # an empty tuning cache: auto measures its candidates in this run, on this load
-        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MOEBIT_AUTOTUNE="1",
-                   MOEBIT_AUTOTUNE_CACHE=os.path.join(tune, "autotune.json"))
-        return _run_worker(cmd, env, spec, timeout)
-
-
-def _run_worker(cmd: list[str], env: dict[str, str], spec: dict[str, Any],
-                timeout: float) -> dict[str, dict[str, Any]]:
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {i: {"error": f"timed out after {timeout:.0f}s"} for i in spec["impls"]}
+    with fresh_tuning(dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))) as env:
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {i: {"error": f"timed out after {timeout:.0f}s"} for i in spec["impls"]}
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)

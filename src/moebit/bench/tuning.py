@@ -8,11 +8,24 @@ these helpers collect each choice with every candidate's time from the layer's
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 
 from moebit.moe.experts import Experts
+
+
+@contextmanager
+def fresh_tuning(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """``env`` with tuning on and an empty cache file (removed afterwards): a worker started
+    with it measures auto's candidates in this run, on this machine's present load."""
+    with tempfile.TemporaryDirectory(prefix="moebit-bench-tune-") as tune:
+        yield dict(env, MOEBIT_AUTOTUNE="1",
+                   MOEBIT_AUTOTUNE_CACHE=os.path.join(tune, "autotune.json"))
 
 
 def auto_choices(module: nn.Module) -> dict[str, dict[str, Any]]:
