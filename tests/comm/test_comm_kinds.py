@@ -11,6 +11,8 @@ def test_every_op_moebit_issues_has_its_kind() -> None:
         "onebit.phase1": "onebit", "onebit.header": "onebit",
         "ddp.powersgd": "ddp_hook", "ddp.fp16": "ddp_hook",
         "nan_check": "other", "freeze_check": "other",
+        "fsdp.rs.int8": "rs", "fsdp.rs.none": "rs", "fsdp.ag.bf16": "ag",
+        "fsdp.allreduce.replicate": "exact",
     }
     assert {op: stats.kind_of(op) for op in kinds} == kinds
     assert set(kinds.values()) == set(stats.KINDS)
