@@ -1,4 +1,5 @@
-"""Sharded gradients and losses equal the replicated ones (dense fsdp, hsdp, ep x efsdp)."""
+"""Sharded vs replicated: gradients and losses are equal (dense fsdp, hsdp, ep x efsdp,
+Adam and LAMB), and each rank holds a quarter of the state at 4 ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 from shard_toys import batch, local, loss_of, replicated_step, tiny_gpt, world_mean
 
+from moebit.optim.lamb import Lamb
 from moebit.testing import run_on_ranks
+from moebit.training.shard_memory import StateBytes, peak_rss_mb, state_bytes_per_rank
 from moebit.training.sharding import ShardConfig, shard_model
 
 
@@ -23,11 +26,17 @@ def _grads(rank: int, world: int, shard: str, ep: int, node: int) -> float:
     return worst
 
 
-def _losses(rank: int, world: int, ep: int, steps: int) -> tuple[list[float], list[float]]:
+def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "lamb":
+        return Lamb(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _losses(rank: int, world: int, ep: int, steps: int,
+            optimizer: str = "adam") -> tuple[list[float], list[float]]:
     ref = tiny_gpt(ep)
     model = shard_model(tiny_gpt(ep), ShardConfig(shard="fsdp"))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_ref, opt = _optimizer(optimizer, ref), _optimizer(optimizer, model)
     want, got = [], []
     for step in range(steps):
         x = batch(rank, step % 2)  # two batches per rank, seen again: the loss must fall
@@ -42,16 +51,36 @@ def _losses(rank: int, world: int, ep: int, steps: int) -> tuple[list[float], li
     return want, got
 
 
+def _held(model: torch.nn.Module, rank: int) -> StateBytes:
+    """What the rank holds after one AdamW step (gradients still present)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_of(model, batch(rank, 0)).backward()
+    opt.step()
+    return state_bytes_per_rank(model, opt)
+
+
+def _memory(rank: int, world: int) -> dict:
+    """Sharded (dense; ep 2 x efsdp 2) against one replica holding the whole model."""
+    out = {}
+    for ep, whole in ((0, 0), (2, 1)):
+        replicated = _held(tiny_gpt(whole), rank)
+        sharded = _held(shard_model(tiny_gpt(ep), ShardConfig(shard="fsdp")), rank)
+        out[ep] = (sharded, replicated)
+    out["rss"] = peak_rss_mb()
+    return out
+
+
 def _two(rank: int, world: int) -> dict:
     """The dense checks on 2 ranks, in one start-up."""
-    return {"grads": _grads(rank, world, "fsdp", 0, 0), "losses": _losses(rank, world, 0, 10)}
+    return {"grads": _grads(rank, world, "fsdp", 0, 0), "losses": _losses(rank, world, 0, 10),
+            "lamb": _losses(rank, world, 0, 6, "lamb")}
 
 
 def _four(rank: int, world: int) -> dict:
     """The expert-parallel checks on 4 ranks (ep 2 x efsdp 2; hsdp 2 nodes of 2)."""
     return {"grads": _grads(rank, world, "fsdp", 2, 0),
             "hsdp_grads": _grads(rank, world, "hsdp", 2, 2),
-            "losses": _losses(rank, world, 2, 10)}
+            "losses": _losses(rank, world, 2, 10), "memory": _memory(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +115,21 @@ def test_sharded_moe_loss_equals_the_replicated_runs_over_10_steps(four) -> None
     want, got = four[0]["losses"]
     assert want[-1] < want[0] - 0.5
     assert max(abs(a - b) for a, b in zip(want, got, strict=True)) < 1e-5, (want, got)
+
+
+def test_lamb_under_fsdp_equals_replicated_lamb(two) -> None:
+    want, got = two[0]["lamb"]  # its trust ratios take whole-tensor norms of the shards
+    assert want[-1] < want[0]
+    assert max(abs(a - b) for a, b in zip(want, got, strict=True)) < 1e-5, (want, got)
+
+
+@pytest.mark.parametrize("ep", [0, 2])
+def test_state_bytes_per_rank_sharded_is_under_0_3x_replicated_at_4_ranks(four, ep) -> None:
+    for r in four:
+        sharded, replicated = r["memory"][ep]
+        for part in ("params", "grads", "optimizer"):
+            assert 0 < getattr(sharded, part) <= 0.3 * getattr(replicated, part), part
+        assert sharded.total <= 0.3 * replicated.total
+        # Adam: two moments of every parameter, plus one step counter per tensor
+        assert sharded.optimizer >= 2 * sharded.params
+        assert r["memory"]["rss"] > 10
