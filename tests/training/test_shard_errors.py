@@ -1,0 +1,109 @@
+"""Impossible sharding layouts and refused optimizer combinations fail with one line
+that names the key, the sizes or the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shard_toys import tiny_gpt
+
+from moebit.models.gpt import GPT, GPTConfig
+from moebit.optim.build import optimizer_names
+from moebit.testing import run_on_ranks
+from moebit.training.sharding import (
+    COMPOSES,
+    ShardConfig,
+    check_composition,
+    make_meshes,
+    shard_model,
+)
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"shard": "zero3"}, "shard must be one of"),
+    ({"shard": "fsdp", "param_dtype": "fp8"}, "param_dtype must be one of"),
+    ({"shard": "fsdp", "reduce_dtype": "int8"}, "reduce_dtype must be one of"),
+    ({"shard": "fsdp", "rs_compress": "fp8"}, "rs_compress must be one of"),
+    ({"shard": "fsdp", "ag_compress": "int4"}, "ag_compress must be one of"),
+    ({"shard": "none", "rs_compress": "int8"}, "need shard=fsdp or hsdp"),
+    ({"shard": "hsdp", "local_world_size": -1}, "local_world_size must be >= 0"),
+    ({"shard": "fsdp", "quant_block": 0}, "quant_block must be >= 1"),
+])
+def test_bad_shard_settings_are_named(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named) as e:
+        ShardConfig(**fields)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+@pytest.mark.parametrize("shard", ["fsdp", "hsdp"])
+def test_one_bit_optimizers_are_refused_under_sharding_in_one_line(name: str, shard: str) -> None:
+    with pytest.raises(ValueError) as e:
+        check_composition(name, shard)
+    msg = str(e.value)
+    assert "\n" not in msg and repr(name) in msg and f"shard={shard}" in msg
+    assert "replicated" in msg and "rs_compress=int8" in msg  # the reason and the way out
+    check_composition(name, "none")  # unsharded, they run as always
+
+
+def test_every_registered_optimizer_is_classified() -> None:
+    for name in optimizer_names():
+        try:
+            check_composition(name, "fsdp")
+        except ValueError as e:
+            assert "does not compose" in str(e), name  # refused for a stated reason
+        else:
+            assert name in COMPOSES
+    with pytest.raises(ValueError, match="'sgd' is not known to compose with shard=fsdp"):
+        check_composition("sgd", "fsdp")
+    with pytest.raises(ValueError, match="shard must be one of"):
+        check_composition("adam", "zero")
+
+
+def test_sharding_needs_a_process_group_and_decoder_blocks() -> None:
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        make_meshes(ShardConfig("fsdp"))
+    with pytest.raises(ValueError, match="Linear has no .blocks ModuleList"):
+        shard_model(torch.nn.Linear(2, 2), ShardConfig("fsdp"))
+    model = tiny_gpt()
+    assert shard_model(model, ShardConfig("none")) is model  # none: untouched
+
+
+def _message(fn, *args, **kw) -> str:
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _impossible(rank: int, world: int) -> dict[str, str]:
+    out = {
+        "ep": _message(make_meshes, ShardConfig("fsdp"), ep_size=3),
+        "one_node": _message(make_meshes, ShardConfig("hsdp", local_world_size=4)),
+        "node": _message(make_meshes, ShardConfig("hsdp", local_world_size=3)),
+        "ep_node": _message(make_meshes, ShardConfig("hsdp", local_world_size=2), ep_size=4),
+    }
+    torch.manual_seed(0)  # 2 experts over ep 2: one local expert, 2 efsdp ranks
+    uneven = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=16, num_experts=2,
+                           moe={"ep_size": 2}))
+    out["uneven"] = _message(shard_model, uneven, ShardConfig("fsdp"))
+    moe = tiny_gpt(ep=2)
+    out["meshes"] = _message(shard_model, moe, ShardConfig("fsdp"),
+                             make_meshes(ShardConfig("fsdp"), ep_size=1))
+    dense = shard_model(tiny_gpt(), ShardConfig("fsdp"))
+    out["twice"] = _message(shard_model, dense, ShardConfig("fsdp"))
+    return out
+
+
+def test_impossible_meshes_are_named_on_4_ranks() -> None:
+    for r in run_on_ranks(_impossible, 4, timeout=180):
+        assert r["ep"] == "ep_size=3 does not divide the world size 4"
+        assert r["one_node"].startswith("hsdp needs more than one node: LOCAL_WORLD_SIZE=4")
+        assert r["node"].startswith("hsdp: the node size LOCAL_WORLD_SIZE=3 does not divide")
+        assert r["ep_node"].startswith("hsdp: ep_size=4 must divide the node size 2")
+        assert r["uneven"].startswith("blocks.1.ffn.experts.w1: 1 local experts do not split "
+                                      "over the 2 expert-data-parallel ranks")
+        assert r["meshes"] == "meshes were made for ep_size=1, the model has 2"
+        assert r["twice"] == "shard_model: the model is already sharded"
+        assert not any("\n" in m for m in r.values())
