@@ -123,9 +123,10 @@ def test_compressed_all_gather_stays_within_its_bound_and_agrees_on_every_rank(
         assert torch.equal(gathered, collectives[0]["ag"][mode][2])  # same weights everywhere
 
 
-def _train(rank: int, world: int, rs: str, ag: str, steps: int):
-    model = shard_model(tiny_gpt(d_model=32), ShardConfig("fsdp", rs_compress=rs, ag_compress=ag,
-                                                          quant_block=QBLOCK))
+def _train(rank: int, world: int, rs: str, ag: str, steps: int, param_dtype=None):
+    cfg = ShardConfig("fsdp", rs_compress=rs, ag_compress=ag, quant_block=QBLOCK,
+                      param_dtype=param_dtype, reduce_dtype="fp32" if param_dtype else None)
+    model = shard_model(tiny_gpt(d_model=32), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stats.reset()
     losses = []
@@ -136,15 +137,34 @@ def _train(rank: int, world: int, rs: str, ag: str, steps: int):
         opt.zero_grad()
         losses.append(world_mean(loss.detach()))
     kinds = stats.snapshot().by_kind()
+    if param_dtype:  # the optimizer's master shards stay fp32; gradients arrive in fp32
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        loss_of(model, batch(rank, 0)).backward()
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
     return losses, kinds["rs"].bytes_sent, kinds["ag"].bytes_sent
 
 
 def _both(rank: int, world: int):
-    return (*_train(rank, world, "none", "none", 10), *_train(rank, world, "int8", "int8", 10))
+    return (*_train(rank, world, "none", "none", 10), *_train(rank, world, "int8", "int8", 10),
+            *_train(rank, world, "none", "none", 10, "bf16"))
 
 
-def test_training_through_int8_collectives_follows_the_exact_run() -> None:
-    exact, rs_exact, ag_exact, q, rs_q, ag_q = run_on_ranks(_both, 2, timeout=240)[0]
+@pytest.fixture(scope="module")
+def trained() -> tuple:
+    return run_on_ranks(_both, 2, timeout=300)[0]
+
+
+def test_training_through_int8_collectives_follows_the_exact_run(trained) -> None:
+    exact, rs_exact, ag_exact, q, rs_q, ag_q = trained[:6]
     assert q[-1] < q[0] - 0.5  # it trains
     assert max(abs(a - b) for a, b in zip(exact, q, strict=True)) < 0.05 * exact[0]
     assert 0 < rs_q < 0.3 * rs_exact and 0 < ag_q < 0.3 * ag_exact
+
+
+def test_bf16_mixed_precision_gathers_half_the_bytes_and_follows_fp32(trained) -> None:
+    exact, rs_exact, ag_exact = trained[:3]
+    bf16, rs_bf16, ag_bf16 = trained[6:]
+    assert ag_bf16 == ag_exact // 2  # parameters are gathered in bf16
+    assert rs_bf16 == rs_exact  # reduce_dtype fp32: gradients are reduced in fp32
+    assert bf16[-1] < bf16[0] - 0.5
+    assert max(abs(a - b) for a, b in zip(exact, bf16, strict=True)) < 0.05 * exact[0]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from shard_toys import batch, local, loss_of, replicated_step, tiny_gpt, world_mean
 
+from moebit.comm import stats
 from moebit.optim.lamb import Lamb
 from moebit.testing import run_on_ranks
 from moebit.training.shard_memory import StateBytes, peak_rss_mb, state_bytes_per_rank
@@ -80,6 +81,7 @@ def _four(rank: int, world: int) -> dict:
     """The expert-parallel checks on 4 ranks (ep 2 x efsdp 2; hsdp 2 nodes of 2)."""
     return {"grads": _grads(rank, world, "fsdp", 2, 0),
             "hsdp_grads": _grads(rank, world, "hsdp", 2, 2),
+            "replicate_allreduces": stats.snapshot().ops["fsdp.allreduce.replicate"].calls,
             "losses": _losses(rank, world, 2, 10), "memory": _memory(rank, world)}
 
 
@@ -103,6 +105,7 @@ def test_ep2_by_efsdp2_gradients_equal_the_replicated_ones_on_4_ranks(four) -> N
 
 def test_hsdp_moe_gradients_equal_the_replicated_ones_on_2_nodes_of_2(four) -> None:
     assert max(r["hsdp_grads"] for r in four) < 1e-5
+    assert all(r["replicate_allreduces"] > 0 for r in four)  # counted across the nodes
 
 
 def test_sharded_loss_equals_the_replicated_runs_over_10_steps(two) -> None:
