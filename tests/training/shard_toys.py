@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.models.hf import HFDecoder, HFDecoderConfig
 from moebit.moe import allreduce_grads_, split_params_for_ep
 
 # FSDP2 warns that blocks return views (GPT's blocks return tuples of fresh tensors)
@@ -31,9 +32,23 @@ def tiny_gpt(ep: int = 0, seed: int = 0, d_model: int = 16) -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=d_model, block_size=BLOCK, **moe))
 
 
+HF_QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 32,
+                "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                "decoder_sparse_step": 1, "norm_topk_prob": True,
+                "max_position_embeddings": 64}
+
+
+def tiny_hf(ep: int = 1, seed: int = 0) -> HFDecoder:
+    """moebit's decoder of a tiny Qwen3-MoE config (4 experts, every layer MoE)."""
+    torch.manual_seed(seed)
+    return HFDecoder(HFDecoderConfig.from_hf(HF_QWEN3_MOE, ep_size=ep))
+
+
 def batch(rank: int, step: int, rows: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randint(0, 256, (rows, BLOCK), generator=g)
+    return torch.randint(0, 96, (rows, BLOCK), generator=g)  # ids every toy model knows
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shard_toys import batch, local, loss_of, replicated_step, tiny_gpt, world_mean
+from shard_toys import batch, local, loss_of, replicated_step, tiny_gpt, tiny_hf, world_mean
 
 from moebit.comm import stats
 from moebit.optim.lamb import Lamb
@@ -14,9 +14,9 @@ from moebit.training.shard_memory import StateBytes, peak_rss_mb, state_bytes_pe
 from moebit.training.sharding import ShardConfig, shard_model
 
 
-def _grads(rank: int, world: int, shard: str, ep: int, node: int) -> float:
-    ref = tiny_gpt(ep)
-    model = shard_model(tiny_gpt(ep), ShardConfig(shard=shard, local_world_size=node))
+def _grads(rank: int, world: int, shard: str, ep: int, node: int, make=tiny_gpt) -> float:
+    ref = make(ep)
+    model = shard_model(make(ep), ShardConfig(shard=shard, local_world_size=node))
     replicated_step(ref, batch(rank, 0))
     loss_of(model, batch(rank, 0)).backward()
     worst = 0.0
@@ -81,6 +81,7 @@ def _four(rank: int, world: int) -> dict:
     """The expert-parallel checks on 4 ranks (ep 2 x efsdp 2; hsdp 2 nodes of 2)."""
     return {"grads": _grads(rank, world, "fsdp", 2, 0),
             "hsdp_grads": _grads(rank, world, "hsdp", 2, 2),
+            "hf_grads": _grads(rank, world, "fsdp", 2, 0, tiny_hf),
             "replicate_allreduces": stats.snapshot().ops["fsdp.allreduce.replicate"].calls,
             "losses": _losses(rank, world, 2, 10), "memory": _memory(rank, world)}
 
@@ -101,6 +102,10 @@ def test_fsdp_dense_gradients_equal_the_averaged_replicated_ones(two) -> None:
 
 def test_ep2_by_efsdp2_gradients_equal_the_replicated_ones_on_4_ranks(four) -> None:
     assert max(r["grads"] for r in four) < 1e-5
+
+
+def test_hf_decoder_ep2_by_efsdp2_gradients_equal_the_replicated_ones(four) -> None:
+    assert max(r["hf_grads"] for r in four) < 1e-5  # Qwen3-MoE: every layer routed
 
 
 def test_hsdp_moe_gradients_equal_the_replicated_ones_on_2_nodes_of_2(four) -> None:
