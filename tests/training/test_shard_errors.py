@@ -14,6 +14,7 @@ from moebit.training.sharding import (
     COMPOSES,
     ShardConfig,
     check_composition,
+    check_layout,
     make_meshes,
     shard_model,
 )
@@ -107,3 +108,27 @@ def test_impossible_meshes_are_named_on_4_ranks() -> None:
         assert r["meshes"] == "meshes were made for ep_size=1, the model has 2"
         assert r["twice"] == "shard_model: the model is already sharded"
         assert not any("\n" in m for m in r.values())
+
+
+@pytest.mark.parametrize(("cfg", "world", "ep", "local", "named"), [
+    (ShardConfig("fsdp"), 4, 3, None, "ep_size=3 does not divide the world size 4"),
+    (ShardConfig("hsdp", local_world_size=8), 8, 1, None, "hsdp needs more than one node"),
+    (ShardConfig("hsdp", local_world_size=3), 8, 1, None,
+     "hsdp: the node size LOCAL_WORLD_SIZE=3 does not divide the world size 8"),
+    (ShardConfig("hsdp", local_world_size=2), 8, 4, None,
+     "hsdp: ep_size=4 must divide the node size 2"),
+    (ShardConfig("fsdp"), 8, 2, 2, "2 local experts .* do not split over the 4 "
+                                   "expert-data-parallel ranks"),
+    (ShardConfig("none"), 8, 1, None, "shard is none"),
+])
+def test_check_layout_names_impossible_layouts_before_any_rank_starts(cfg, world, ep, local,
+                                                                      named) -> None:
+    with pytest.raises(ValueError, match=named) as e:
+        check_layout(cfg, world, ep, local)
+    assert "\n" not in str(e.value)
+
+
+def test_check_layout_sizes_hsdp_with_experts() -> None:
+    lay = check_layout(ShardConfig("hsdp", local_world_size=4), 16, ep_size=2, local_experts=4)
+    assert (lay.nodes, lay.node, lay.efsdp) == (4, 4, 2)
+    assert check_layout(ShardConfig("fsdp"), 8, ep_size=2, local_experts=8).efsdp == 4

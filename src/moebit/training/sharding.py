@@ -114,43 +114,74 @@ class ShardMeshes:
         return 1 if self.experts is None else self.experts.size(self.experts.ndim - 1)
 
 
-def _node_size(cfg: ShardConfig, world: int) -> int:
-    local = cfg.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local < 1 or world % local:
-        raise ValueError(f"hsdp: the node size LOCAL_WORLD_SIZE={local} does not divide the "
-                         f"world size {world}")
-    if local == world:
-        raise ValueError(f"hsdp needs more than one node: LOCAL_WORLD_SIZE={local} is the whole "
-                         f"world; use shard=fsdp")
-    return local
+@dataclass(frozen=True)
+class Layout:
+    """The sizes of a sharded layout: ``nodes`` x ``node`` ranks; experts sharded over
+    ``efsdp`` = node / ep ranks inside each node (fsdp: one node of the whole world)."""
+
+    world: int
+    nodes: int
+    node: int
+    ep_size: int
+
+    @property
+    def efsdp(self) -> int:
+        return self.node // self.ep_size
+
+
+def check_layout(cfg: ShardConfig, world: int, ep_size: int = 1,
+                 local_experts: int | None = None) -> Layout:
+    """The layout of ``cfg`` on ``world`` ranks, or a one-line ValueError naming why it is
+    impossible; pure (no process group), so a launcher can call it before any rank starts.
+
+    ``local_experts`` (num_experts / ep_size), when given, must split evenly over efsdp.
+    """
+    if cfg.shard == "none":
+        raise ValueError("shard is none: there is nothing to lay out")
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide the world size {world}")
+    node = world
+    if cfg.shard == "hsdp":
+        node = cfg.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if node < 1 or world % node:
+            raise ValueError(f"hsdp: the node size LOCAL_WORLD_SIZE={node} does not divide "
+                             f"the world size {world}")
+        if node == world:
+            raise ValueError(f"hsdp needs more than one node: LOCAL_WORLD_SIZE={node} is the "
+                             f"whole world; use shard=fsdp")
+        if node % ep_size:
+            raise ValueError(f"hsdp: ep_size={ep_size} must divide the node size {node} "
+                             f"(experts are sharded inside a node)")
+    layout = Layout(world, world // node, node, ep_size)
+    if local_experts is not None and ep_size > 1 and local_experts % layout.efsdp:
+        raise ValueError(f"{local_experts} local experts (num_experts / ep_size) do not split "
+                         f"over the {layout.efsdp} expert-data-parallel ranks; choose ep_size "
+                         f"so that (num_experts / ep_size) % ({node} / ep_size) == 0")
+    return layout
 
 
 def make_meshes(cfg: ShardConfig, ep_size: int = 1, device_type: str = "cpu") -> ShardMeshes:
     """The dense and expert meshes for ``cfg`` over the default group; collective.
 
-    Raises ValueError naming the impossible layout: no process group, ep not dividing
-    the world (or, for hsdp, the node), a node size not dividing the world.
+    Raises ValueError naming the impossible layout (``check_layout``), or the missing
+    process group, before any rank creates a group.
     """
     if cfg.shard == "none":
         raise ValueError("make_meshes: shard is none, there is nothing to shard")
     if not dist.is_initialized():
         raise ValueError(f"shard={cfg.shard} needs torch.distributed initialised (torchrun)")
     world = dist.get_world_size()
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(f"ep_size={ep_size} does not divide the world size {world}")
-    node = world
+    lay = check_layout(cfg, world, ep_size)
     if cfg.shard == "hsdp":
-        node = _node_size(cfg, world)
-        if node % ep_size:
-            raise ValueError(f"hsdp: ep_size={ep_size} must divide the node size {node} "
-                             f"(experts are sharded inside a node)")
-        dense = init_device_mesh(device_type, (world // node, node),
+        dense = init_device_mesh(device_type, (lay.nodes, lay.node),
                                  mesh_dim_names=("dp_replicate", "dp_shard"))
     else:
         dense = init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
     if ep_size == 1:
         return ShardMeshes(cfg.shard, dense, None, None, 1)
-    nodes, efsdp = world // node, node // ep_size
+    nodes, node, efsdp = lay.nodes, lay.node, lay.efsdp
     ranks = torch.arange(world)
     if cfg.shard == "hsdp":
         full = DeviceMesh(device_type, ranks.view(nodes, efsdp, ep_size),
