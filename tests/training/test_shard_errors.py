@@ -132,3 +132,10 @@ def test_check_layout_sizes_hsdp_with_experts() -> None:
     lay = check_layout(ShardConfig("hsdp", local_world_size=4), 16, ep_size=2, local_experts=4)
     assert (lay.nodes, lay.node, lay.efsdp) == (4, 4, 2)
     assert check_layout(ShardConfig("fsdp"), 8, ep_size=2, local_experts=8).efsdp == 4
+
+
+def test_shard_config_round_trips_flat_keys_and_names_unknown_ones() -> None:
+    cfg = ShardConfig(shard="hsdp", param_dtype="bf16", rs_compress="int8", local_world_size=8)
+    assert ShardConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown sharding key 'rs_compression'; known: shard,"):
+        ShardConfig.from_dict({"shard": "fsdp", "rs_compression": "int8"})

@@ -28,7 +28,7 @@ gloo in some setups), and the compressed reduce-scatters of ``shard_comm`` sum.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -85,6 +85,18 @@ class ShardConfig:
             raise ValueError(f"local_world_size must be >= 0, got {self.local_world_size}")
         if self.quant_block < 1:
             raise ValueError(f"quant_block must be >= 1, got {self.quant_block}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardConfig:
+        """From flat keys (a config file's or the loop's), naming an unknown key."""
+        known = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sharding key {key!r}; known: {', '.join(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         def dt(name: str | None) -> torch.dtype | None:
