@@ -21,8 +21,9 @@ from moebit.training.sharding import ShardConfig, shard_model
 PROBE = torch.arange(2 * 15).reshape(2, 15) % 256
 
 
-def _setup(ep: int, seed: int = 0, shard: str = "fsdp"):
-    model = shard_model(tiny_gpt(ep, seed=seed), ShardConfig(shard, local_world_size=2))
+def _setup(ep: int, seed: int = 0, shard: str = "fsdp", rs: str = "none"):
+    cfg = ShardConfig(shard, local_world_size=2, rs_compress=rs)
+    model = shard_model(tiny_gpt(ep, seed=seed), cfg)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -37,14 +38,14 @@ def _steps(model, opt, rank: int, steps: range) -> list[float]:
     return losses
 
 
-def _resume_is_bit_exact(rank: int, ep: int, ckpt: Path) -> bool:
+def _resume_is_bit_exact(rank: int, ep: int, ckpt: Path, rs: str = "none") -> bool:
     """3 steps, save, 3 more; a model from another seed loads the save and repeats them."""
-    model, opt = _setup(ep)
+    model, opt = _setup(ep, rs=rs)
     _steps(model, opt, rank, range(3))
     save_sharded(ckpt, model, opt, extra={"step": 3})
     want = _steps(model, opt, rank, range(3, 6))
     final = full_state_dict(model)
-    model2, opt2 = _setup(ep, seed=1)
+    model2, opt2 = _setup(ep, seed=1, rs=rs)
     extra = load_sharded(ckpt, model2, opt2)
     got = _steps(model2, opt2, rank, range(3, 6))
     final2 = full_state_dict(model2)
@@ -59,7 +60,8 @@ def _logits(model) -> torch.Tensor:
 
 def _saved_at_two(rank: int, world: int, root: str) -> dict:
     root_p = Path(root)
-    out = {"resume_dense": _resume_is_bit_exact(rank, 0, root_p / "resume")}
+    out = {"resume_dense": _resume_is_bit_exact(rank, 0, root_p / "resume"),
+           "resume_int8": _resume_is_bit_exact(rank, 0, root_p / "resume_int8", "int8")}
     for ep in (0, 2):
         model, opt = _setup(ep)
         _steps(model, opt, rank, range(2))
@@ -136,10 +138,11 @@ def test_resume_from_dcp_is_bit_exact(runs) -> None:
     two, four = runs
     assert all(r["resume_dense"] for r in two)
     assert all(r["resume_moe"] for r in four)  # ep 2 x efsdp 2: expert state row views
+    assert all(r["resume_int8"] for r in two)  # the error-feedback residuals come back too
 
 
 def test_save_is_atomic_and_leaves_no_temporary_folder(runs) -> None:
-    assert runs[0][0]["folders"] == ["ep0", "ep2", "resume"]
+    assert runs[0][0]["folders"] == ["ep0", "ep2", "resume", "resume_int8"]
 
 
 @pytest.mark.parametrize("ep", [0, 2])

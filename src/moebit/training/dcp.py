@@ -17,6 +17,11 @@ In the checkpoint each stacked expert tensor is stored as the global [E, ...] te
 row-sharded over the ``experts_rows`` mesh (ep rank, then efsdp rank), so loading
 reshards over a different world size or ep size like any other tensor. DCP places
 shards by mesh coordinates only; gathering goes through FSDP's and the ep groups.
+
+With ``rs_compress="int8"`` each rank also saves its error-feedback residuals
+(``residuals-rank-N.pt``, in the manifest); they are restored on the same topology
+(world, shard mode, ep size), so an int8 run resumes bit-exact too, and restart at
+zero on another one.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moebit.checkpoint.files import (
     CheckpointError,
+    load_file,
     read_manifest,
+    save_atomic,
     sha256_of,
     verify,
     write_manifest,
@@ -95,13 +102,43 @@ def _tmp_dir(ckpt_dir: Path) -> Path:
     return ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
 
 
+def _residual_file(rank: int) -> str:
+    return f"residuals-rank-{rank:05d}.pt"
+
+
+def _save_residuals(folder: Path, st: ShardState, rank: int) -> None:
+    """This rank's int8 error-feedback residuals, one per unit (None before the first
+    backward): a plain per-rank file, valid only on the same topology."""
+    if st.config.rs_compress == "int8":
+        save_atomic([rs.residual for rs in st.reduce_scatters], folder / _residual_file(rank))
+
+
+def _load_residuals(folder: Path, st: ShardState, manifest: dict[str, Any], rank: int) -> bool:
+    """Restore the residuals when world, shard mode and ep size are those of the save;
+    else they restart at zero (one step's quantization error is dropped). Returns
+    whether they were restored."""
+    here = (dist.get_world_size(), st.config.shard, st.meshes.ep_size)
+    saved = (manifest.get("world_size"), manifest.get("shard"), manifest.get("ep_size"))
+    path = folder / _residual_file(rank)
+    if st.config.rs_compress != "int8" or here != saved or not path.is_file():
+        return False
+    residuals = load_file(path)
+    if len(residuals) != len(st.reduce_scatters):
+        raise CheckpointError(f"{path} holds {len(residuals)} residuals for "
+                              f"{len(st.reduce_scatters)} sharded units")
+    for rs, r in zip(st.reduce_scatters, residuals, strict=True):
+        rs.residual = r
+    return True
+
+
 def _my_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of the DCP files this rank wrote (``__{rank}_*``); rank 0 also
-    takes the rest (``.metadata``)."""
+    """Size and SHA-256 of the files this rank wrote (``__{rank}_*`` and its residuals);
+    rank 0 also takes the rest (``.metadata``)."""
     out = {}
     for path in sorted(folder.iterdir()):
-        mine = path.name.startswith(f"__{rank}_")
-        if mine or (rank == 0 and not path.name.startswith("__")):
+        mine = path.name.startswith(f"__{rank}_") or path.name == _residual_file(rank)
+        others = path.name.startswith("__") or path.name.startswith("residuals-rank-")
+        if mine or (rank == 0 and not others):
             out[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     return out
 
@@ -123,6 +160,8 @@ def save_sharded(ckpt_dir: str | os.PathLike[str], model: nn.Module,
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(_checkpoint_view(model, *_state_dicts(model, optimizer)), checkpoint_id=tmp)
+    _save_residuals(tmp, st, rank)
+    dist.barrier()  # every rank's files are complete before any rank lists the folder
     files: list[dict[str, dict[str, Any]] | None] = [None] * world
     dist.all_gather_object(files, _my_files(tmp, rank))
     if rank == 0:
@@ -194,6 +233,7 @@ def load_sharded(ckpt_dir: str | os.PathLike[str], model: nn.Module,
                 if not isinstance(value, torch.Tensor):
                     osd["state"][key][name] = value
         set_optimizer_state_dict(model, optimizer, osd)
+    _load_residuals(Path(ckpt_dir), _state(model), manifest, dist.get_rank())
     return dict(manifest.get("extra", {}))
 
 

@@ -251,11 +251,13 @@ def _check_experts(model: nn.Module, meshes: ShardMeshes) -> None:
 @dataclass
 class ShardState:
     """What ``shard_model`` leaves on the model (``model.moebit_shard``): the config, the
-    meshes and the names of the expert parameters (the checkpoint needs all three)."""
+    meshes, the names of the expert parameters and each unit's reduce-scatter, in unit
+    order (the checkpoint needs them: the int8 residuals live there)."""
 
     config: ShardConfig
     meshes: ShardMeshes
     expert_names: tuple[str, ...]
+    reduce_scatters: tuple[CompressedReduceScatter, ...] = ()
 
 
 def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None = None) -> nn.Module:
@@ -290,20 +292,22 @@ def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None =
                 units.append((fully_shard(m, mesh=meshes.experts, **common), meshes.experts))
         units.append((fully_shard(block, mesh=meshes.dense, **common), meshes.dense))
     units.append((fully_shard(model, mesh=meshes.dense, **common), meshes.dense))
-    for unit, mesh in units:
-        _install_comms(unit, mesh, cfg)
-    model.moebit_shard = ShardState(cfg, meshes, expert_names)
+    comms = tuple(_install_comms(unit, mesh, cfg) for unit, mesh in units)
+    model.moebit_shard = ShardState(cfg, meshes, expert_names, comms)
     return model
 
 
-def _install_comms(unit: FSDPModule, mesh: DeviceMesh, cfg: ShardConfig) -> None:
+def _install_comms(unit: FSDPModule, mesh: DeviceMesh, cfg: ShardConfig,
+                   ) -> CompressedReduceScatter:
     """SUM reductions divided afterwards, the unit's own (compressed) collectives, and for
-    hsdp a counter of the replicate-dim allreduce."""
+    hsdp a counter of the replicate-dim allreduce. Returns the unit's reduce-scatter."""
     unit.set_force_sum_reduction_for_comms(True)
-    unit.set_custom_reduce_scatter(CompressedReduceScatter(cfg.rs_compress, cfg.quant_block))
+    rs = CompressedReduceScatter(cfg.rs_compress, cfg.quant_block)
+    unit.set_custom_reduce_scatter(rs)
     unit.set_custom_all_gather(CompressedAllGather(cfg.ag_compress, cfg.quant_block))
     if mesh.ndim == 2 and mesh.size(0) > 1:
         unit.set_all_reduce_hook(replicate_allreduce_counter(mesh.size(0)))
+    return rs
 
 
 # Which optimizer composes with which sharding; the reasons are the refusal messages.
