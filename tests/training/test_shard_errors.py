@@ -1,5 +1,6 @@
 """Impossible sharding layouts and refused optimizer combinations fail with one line
-that names the key, the sizes or the reason."""
+that names the key, the sizes or the reason. (The checks that need ranks run in
+test_shard_grads' 4-rank start-up.)"""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import pytest
 import torch
 from shard_toys import tiny_gpt
 
-from moebit.models.gpt import GPT, GPTConfig
 from moebit.optim.build import optimizer_names
-from moebit.testing import run_on_ranks
 from moebit.training.sharding import (
     COMPOSES,
     ShardConfig,
@@ -68,46 +67,6 @@ def test_sharding_needs_a_process_group_and_decoder_blocks() -> None:
         shard_model(torch.nn.Linear(2, 2), ShardConfig("fsdp"))
     model = tiny_gpt()
     assert shard_model(model, ShardConfig("none")) is model  # none: untouched
-
-
-def _message(fn, *args, **kw) -> str:
-    try:
-        fn(*args, **kw)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def _impossible(rank: int, world: int) -> dict[str, str]:
-    out = {
-        "ep": _message(make_meshes, ShardConfig("fsdp"), ep_size=3),
-        "one_node": _message(make_meshes, ShardConfig("hsdp", local_world_size=4)),
-        "node": _message(make_meshes, ShardConfig("hsdp", local_world_size=3)),
-        "ep_node": _message(make_meshes, ShardConfig("hsdp", local_world_size=2), ep_size=4),
-    }
-    torch.manual_seed(0)  # 2 experts over ep 2: one local expert, 2 efsdp ranks
-    uneven = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=16, num_experts=2,
-                           moe={"ep_size": 2}))
-    out["uneven"] = _message(shard_model, uneven, ShardConfig("fsdp"))
-    moe = tiny_gpt(ep=2)
-    out["meshes"] = _message(shard_model, moe, ShardConfig("fsdp"),
-                             make_meshes(ShardConfig("fsdp"), ep_size=1))
-    dense = shard_model(tiny_gpt(), ShardConfig("fsdp"))
-    out["twice"] = _message(shard_model, dense, ShardConfig("fsdp"))
-    return out
-
-
-def test_impossible_meshes_are_named_on_4_ranks() -> None:
-    for r in run_on_ranks(_impossible, 4, timeout=180):
-        assert r["ep"] == "ep_size=3 does not divide the world size 4"
-        assert r["one_node"].startswith("hsdp needs more than one node: LOCAL_WORLD_SIZE=4")
-        assert r["node"].startswith("hsdp: the node size LOCAL_WORLD_SIZE=3 does not divide")
-        assert r["ep_node"].startswith("hsdp: ep_size=4 must divide the node size 2")
-        assert r["uneven"].startswith("blocks.1.ffn.experts.w1: 1 local experts do not split "
-                                      "over the 2 expert-data-parallel ranks")
-        assert r["meshes"] == "meshes were made for ep_size=1, the model has 2"
-        assert r["twice"] == "shard_model: the model is already sharded"
-        assert not any("\n" in m for m in r.values())
 
 
 @pytest.mark.parametrize(("cfg", "world", "ep", "local", "named"), [

@@ -8,10 +8,11 @@ import torch
 from shard_toys import batch, local, loss_of, replicated_step, tiny_gpt, tiny_hf, world_mean
 
 from moebit.comm import stats
+from moebit.models.gpt import GPT, GPTConfig
 from moebit.optim.lamb import Lamb
 from moebit.testing import run_on_ranks
 from moebit.training.shard_memory import StateBytes, peak_rss_mb, state_bytes_per_rank
-from moebit.training.sharding import ShardConfig, shard_model
+from moebit.training.sharding import ShardConfig, make_meshes, shard_model
 
 
 def _grads(rank: int, world: int, shard: str, ep: int, node: int, make=tiny_gpt) -> float:
@@ -71,6 +72,28 @@ def _memory(rank: int, world: int) -> dict:
     return out
 
 
+def _message(fn, *args, **kw) -> str:
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    """What shard_model refuses on the ranks (the pure layout checks: test_shard_errors)."""
+    torch.manual_seed(0)  # 2 experts over ep 2: one local expert, 2 efsdp ranks
+    uneven = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=16, num_experts=2,
+                           moe={"ep_size": 2}))
+    out = {"uneven": _message(shard_model, uneven, ShardConfig("fsdp")),
+           "ep": _message(make_meshes, ShardConfig("fsdp"), ep_size=3)}
+    out["meshes"] = _message(shard_model, tiny_gpt(ep=2), ShardConfig("fsdp"),
+                             make_meshes(ShardConfig("fsdp"), ep_size=1))
+    dense = shard_model(tiny_gpt(), ShardConfig("fsdp"))
+    out["twice"] = _message(shard_model, dense, ShardConfig("fsdp"))
+    return out
+
+
 def _two(rank: int, world: int) -> dict:
     """The dense checks on 2 ranks, in one start-up."""
     return {"grads": _grads(rank, world, "fsdp", 0, 0), "losses": _losses(rank, world, 0, 10),
@@ -83,7 +106,8 @@ def _four(rank: int, world: int) -> dict:
             "hsdp_grads": _grads(rank, world, "hsdp", 2, 2),
             "hf_grads": _grads(rank, world, "fsdp", 2, 0, tiny_hf),
             "replicate_allreduces": stats.snapshot().ops["fsdp.allreduce.replicate"].calls,
-            "losses": _losses(rank, world, 2, 10), "memory": _memory(rank, world)}
+            "losses": _losses(rank, world, 2, 10), "memory": _memory(rank, world),
+            "refusals": _refusals(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +165,14 @@ def test_state_bytes_per_rank_sharded_is_under_0_3x_replicated_at_4_ranks(four, 
         # Adam: two moments of every parameter, plus one step counter per tensor
         assert sharded.optimizer >= 2 * sharded.params
         assert r["memory"]["rss"] > 10
+
+
+def test_impossible_sharding_is_refused_on_the_ranks_in_one_line(four) -> None:
+    for r in four:
+        m = r["refusals"]
+        assert m["uneven"].startswith("blocks.1.ffn.experts.w1: 1 local experts do not split "
+                                      "over the 2 expert-data-parallel ranks")
+        assert m["ep"] == "ep_size=3 does not divide the world size 4"
+        assert m["meshes"] == "meshes were made for ep_size=1, the model has 2"
+        assert m["twice"] == "shard_model: the model is already sharded"
+        assert not any("\n" in v for v in m.values())
