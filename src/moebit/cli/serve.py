@@ -24,11 +24,12 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
+from moebit.inference.generate import eos_token_ids
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
 from moebit.models.hf import from_pretrained, is_hf_folder, read_config
 from moebit.models.tokenizer import ByteTokenizer, HFTokenizer
-from moebit.serve.server import follow, serve_main
+from moebit.serve.server import PortInUse, bind, follow, serve_main
 
 HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
 
@@ -71,6 +72,8 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
     if args.context < 0:
         raise ValueError("--context must be >= 0 (0: the model's own)")
+    if not args.worker:
+        bind(args.host, args.port).close()  # PortInUse now, before loading any model
     if is_hf_folder(args.checkpoint):
         hf = read_config(args.checkpoint)
         counts = [hf.num_experts] * len(hf.moe_layers) if hf.is_moe else []
@@ -114,9 +117,11 @@ def run_rank(args: argparse.Namespace) -> int:
             model.to(DTYPES[args.dtype])
         if info.rank != 0:
             return follow(model)
+        hf_dir = args.checkpoint if is_hf_folder(args.checkpoint) else None
         return serve_main(model, tokenizer, args.model_name or args.checkpoint, args.host,
                           args.port, args.max_batch, args.max_queue, args.prefill_chunk,
-                          lockstep=info.world_size > 1, log_level=args.log_level)
+                          lockstep=info.world_size > 1, log_level=args.log_level,
+                          eos=eos_token_ids(model.config, hf_dir))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         args.ep_size = check(args)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, PortInUse) as e:
         print(f"moebit serve: error: {e}", file=sys.stderr)
         return 2
     if args.nproc == 1:
