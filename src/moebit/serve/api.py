@@ -142,7 +142,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                 raise BadRequest("this model's tokenizer has no chat template: use "
                                  "/v1/completions", "messages")
             messages = [m.plain() for m in body.messages]
-            _check_bytes(ctx, sum(len(str(m.get("content", "")).encode()) for m in messages))
+            _check_bytes(ctx, sum(len(str(m.get("content", "")).encode(errors="replace"))
+                                   for m in messages))
             try:
                 prompt = await asyncio.to_thread(apply, messages)
             except ChatTemplateError as e:
@@ -168,7 +169,12 @@ def _check_bytes(ctx: dict[str, Any], n_bytes: int) -> None:
 async def _tokenize(ctx: dict[str, Any], text: str) -> list[int]:
     """The prompt's ids, tokenized on a worker thread once its length in bytes can fit; an
     empty prompt starts from the tokenizer's BOS token when it has one."""
-    _check_bytes(ctx, len(text.encode("utf-8", errors="replace")))
+    try:
+        n_bytes = len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"prompt: is not valid Unicode text ({e.reason} at character "
+                         f"{e.start})", "prompt") from None
+    _check_bytes(ctx, n_bytes)
     ids = await asyncio.to_thread(ctx["tok"].encode, text)
     bos = getattr(ctx["tok"], "bos_id", None)
     if not ids and bos is not None:
