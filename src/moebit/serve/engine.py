@@ -206,9 +206,9 @@ class Engine:
 
     def _drop(self, r: Request, why: str) -> None:
         """End one request with an error (500) and free its slot."""
-        self._send(r, Event("", "error", why, status=500))
-        with self.cv:
+        with self.cv:  # left before the client hears: /metrics agrees with the reply
             self._leave(r, "error")
+        self._send(r, Event("", "error", why, status=500))
 
     def _send(self, r: Request, ev: Event) -> None:
         """Emit an event; a callback that raises (its client is gone) cancels the request."""
@@ -318,10 +318,10 @@ class Engine:
                 self._send(r, Event(text[r.sent:end]))
                 r.sent = end
             return
+        with self.cv:  # left before the client hears: /metrics agrees with the reply
+            self._leave(r, reason)
         self._send(r, Event(text[r.sent:], reason))
         r.sent = len(text)
-        with self.cv:
-            self._leave(r, reason)
 
     def _leave(self, r: Request, reason: str) -> None:
         """Free the request's slot (the caller holds ``cv``)."""
