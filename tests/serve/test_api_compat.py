@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 import random
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from serve_helpers import SRC, Server, save_run
+from serve_helpers import Server, save_run
 
+from moebit.cli import serve as serve_cli
 from moebit.inference.generate import generate_tokens
 from moebit.inference.loading import load_model
+from moebit.serve.server import PORT_IN_USE
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -184,7 +184,7 @@ def test_huge_prompt_is_refused_by_its_bytes(server: Server) -> None:
 
 
 def test_official_openai_client_streamed_and_not(server: Server, run: Path) -> None:
-    openai = pytest.importorskip("openai", reason="the OpenAI client test needs: pip install 'moebit[openai]'")
+    openai = pytest.importorskip("openai", reason="needs the OpenAI client: pip install 'moebit[openai]'")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     want = _greedy(run, "def g(", 8)
@@ -207,14 +207,13 @@ def test_official_openai_client_streamed_and_not(server: Server, run: Path) -> N
     assert e.value.body["param"] == "logprobs"
 
 
-def test_port_in_use_is_one_line_and_exit_2(run: Path) -> None:
+def test_port_in_use_is_one_line_and_exit_2(run: Path, capsys: pytest.CaptureFixture) -> None:
+    """Checked before any model is loaded or rank started (``moebit serve`` in-process)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "moebit.cli", "serve", str(run), "--port",
-                            str(port)], env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
-                           capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
+        code = serve_cli.main([str(run), "--port", str(port)])
+    assert code == PORT_IN_USE == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"port {port}" in lines[0] and "http://" not in lines[0]
