@@ -83,6 +83,9 @@ def test_check_refuses_out_of_range_seeds_and_non_finite_numbers(field: str, val
                                                                  words: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}.*{words}" if field == "temperature" else f"^{field}"):
         SamplingParams(**{field: value}).check()
+    with pytest.raises(ValueError, match="^stop strings must be at most 256"):
+        SamplingParams(stop=["x" * 257]).check()
+    SamplingParams(stop=["x" * 256]).check()
     SamplingParams(seed=2**64 - 1).check()  # the ends of torch's seed range are fine
     SamplingParams(seed=-(2**63)).check()
 

@@ -22,6 +22,9 @@ import torch
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS too)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# find_stop's hold-back costs up to len(stop)^2 per token on the engine thread: a megabyte
+# stop string would stall every request in the batch
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -49,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise ValueError("stop must hold at most 4 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters long")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed}")
 
