@@ -29,6 +29,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from moebit.inference.sampling import SamplingParams
 from moebit.models.tokenizer import ChatTemplateError, Tokenizer
 from moebit.serve.engine import Engine, EngineStopped, Event, PromptTooLong, QueueFull, Request
 from moebit.serve.schema import BadRequest, ChatBody, CompletionBody, parse_body, sampling_params
@@ -123,6 +124,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     async def completions(http: HTTPRequest) -> Response:
         try:
             body = parse_body(await http.body(), CompletionBody)
+            params = sampling_params(body)  # the cheap checks first, then the prompt
             prompt = body.prompt
             if isinstance(prompt, list):
                 if len(prompt) != 1:
@@ -131,12 +133,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             ids = await _tokenize(ctx, prompt)
         except BadRequest as e:
             return _bad(e)
-        return await _serve(ctx, body, ids, http, chat=False, echo=prompt if body.echo else "")
+        return await _serve(ctx, body, params, ids, http, chat=False,
+                            echo=prompt if body.echo else "")
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest) -> Response:
         try:
             body = parse_body(await http.body(), ChatBody)
+            params = sampling_params(body)
             apply = getattr(tokenizer, "apply_chat_template", None)
             if apply is None or getattr(tokenizer, "chat_template", None) is None:
                 raise BadRequest("this model's tokenizer has no chat template: use "
@@ -151,7 +155,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             ids = await _tokenize(ctx, prompt)
         except BadRequest as e:
             return _bad(e)
-        return await _serve(ctx, body, ids, http, chat=True)
+        return await _serve(ctx, body, params, ids, http, chat=True)
 
     return app
 
@@ -185,13 +189,9 @@ async def _tokenize(ctx: dict[str, Any], text: str) -> list[int]:
     return ids
 
 
-async def _serve(ctx: dict[str, Any], body: Any, ids: list[int], http: HTTPRequest,
-                 chat: bool, echo: str = "") -> Response:
+async def _serve(ctx: dict[str, Any], body: Any, params: SamplingParams, ids: list[int],
+                 http: HTTPRequest, chat: bool, echo: str = "") -> Response:
     engine: Engine = ctx["engine"]
-    try:
-        params = sampling_params(body)
-    except BadRequest as e:
-        return _bad(e)
     loop = asyncio.get_running_loop()
     if ctx.get("outbox") is None or ctx["outbox"].loop is not loop:
         ctx["outbox"] = _Outbox(loop)
