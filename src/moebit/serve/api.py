@@ -34,6 +34,7 @@ from moebit.models.tokenizer import ChatTemplateError, Tokenizer
 from moebit.serve.engine import Engine, EngineStopped, Event, PromptTooLong, QueueFull, Request
 from moebit.serve.schema import BadRequest, ChatBody, CompletionBody, parse_body, sampling_params
 
+BIG_BODY = 1 << 16  # bytes: bodies at least this long are parsed off the event loop
 _KINDS = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           429: "rate_limit_error"}
 
@@ -123,7 +124,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
         try:
-            body = parse_body(await http.body(), CompletionBody)
+            body = await _parse(http, CompletionBody)
             params = sampling_params(body)  # the cheap checks first, then the prompt
             prompt = body.prompt
             if isinstance(prompt, list):
@@ -139,7 +140,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest) -> Response:
         try:
-            body = parse_body(await http.body(), ChatBody)
+            body = await _parse(http, ChatBody)
             params = sampling_params(body)
             apply = getattr(tokenizer, "apply_chat_template", None)
             if apply is None or getattr(tokenizer, "chat_template", None) is None:
@@ -158,6 +159,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         return await _serve(ctx, body, params, ids, http, chat=True)
 
     return app
+
+
+async def _parse(http: HTTPRequest, cls: type) -> Any:
+    """The body, parsed and validated; a large one on a worker thread (JSON and pydantic
+    take milliseconds per megabyte, which /health and the streams would wait for)."""
+    raw = await http.body()
+    if len(raw) < BIG_BODY:
+        return parse_body(raw, cls)
+    return await asyncio.to_thread(parse_body, raw, cls)
 
 
 def _check_bytes(ctx: dict[str, Any], n_bytes: int) -> None:
