@@ -31,7 +31,7 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
-from moebit.inference.generate import generate_tokens
+from moebit.inference.generate import eos_token_ids, generate_tokens
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
@@ -173,6 +173,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             model, [_encode(tok, p) for p in prompts], args.max_new_tokens,
             args.temperature, args.top_k or None, args.seed, args.batch,
             args.stop.encode("utf-8") if args.stop else None,
+            eos=eos_token_ids(model.config,
+                              args.checkpoint if family_of_folder(args.checkpoint) else None),
         )
         if info.is_main:
             texts = [_decode(tok, t) for t in res.tokens]

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
+from moebit.inference.generate import eos_token_ids
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
 from moebit.models.registry import family_of, family_of_folder
-from moebit.serve.server import follow, serve_main
+from moebit.serve.server import PortInUse, bind, follow, serve_main
 
 HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
 
@@ -70,6 +71,8 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
     if args.context < 0:
         raise ValueError("--context must be >= 0 (0: the model's own)")
+    if not args.worker:
+        bind(args.host, args.port).close()  # PortInUse now, before loading any model
     fam = family_of_folder(args.checkpoint)
     if fam is not None:
         cfg = fam.read_folder_config(Path(args.checkpoint))
@@ -117,9 +120,11 @@ def run_rank(args: argparse.Namespace) -> int:
             model.to(DTYPES[args.dtype])
         if info.rank != 0:
             return follow(model)
+        hf_dir = args.checkpoint if family_of_folder(args.checkpoint) is not None else None
         return serve_main(model, tokenizer, args.model_name or args.checkpoint, args.host,
                           args.port, args.max_batch, args.max_queue, args.prefill_chunk,
-                          lockstep=info.world_size > 1, log_level=args.log_level)
+                          lockstep=info.world_size > 1, log_level=args.log_level,
+                          eos=eos_token_ids(model.config, hf_dir))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         args.ep_size = check(args)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, PortInUse) as e:
         print(f"moebit serve: error: {e}", file=sys.stderr)
         return 2
     if args.nproc == 1:
