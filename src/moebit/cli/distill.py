@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
-from moebit.cli.export import COPIED
 from moebit.cli.launch import (
     add_launch_flags,
     pop_launch,
@@ -58,6 +56,7 @@ from moebit.distill.students_hf import (
     load_hf_teacher,
     write_student,
 )
+from moebit.models.hf.folder import check_folder, copy_side_files, looks_like_hf_folder
 from moebit.runs import tracking
 from moebit.runs.metrics import FILE_NAME as METRICS_FILE
 from moebit.training.config import TrainConfig, build
@@ -134,6 +133,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     if "keep_layers" in dvals:
         dvals["keep_layers"] = _keep_list(dvals["keep_layers"])
     dcfg = DistillConfig(**dvals).validate()
+    if looks_like_hf_folder(dcfg.teacher):  # a corrupt folder: one line naming the file
+        check_folder(dcfg.teacher, tokenizer="optional")
     hf_teacher = find_hf_teacher(dcfg.teacher)
     if hf_teacher is not None:
         return hf_student(hf_teacher, dcfg, given), dcfg, launch
@@ -166,10 +167,8 @@ def hf_student(t: HFTeacher, dcfg: DistillConfig, given: dict[str, Any]) -> Trai
     teacher = load_hf_teacher(t, dtype="auto" if t.checkpoint is None else None)
     write_student(teacher, keep, student_dir)
     del teacher
-    for name in COPIED:
-        src = t.init_from / name if t.init_from is not None else None
-        if src is not None and src.is_file():
-            shutil.copyfile(src, student_dir / name)
+    if t.init_from is not None and t.init_from.is_dir():  # tokenizer, chat template, ...
+        copy_side_files(t.init_from, student_dir)
     values = {**t.train_values, "init_from": str(student_dir), "resume": False,
               "run_dir": str(run_dir)}
     dcfg.keep_layers = keep

@@ -34,7 +34,8 @@ from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import generate_tokens
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
-from moebit.models.hf import HFDecoderConfig, from_pretrained, is_hf_folder, read_config
+from moebit.models.hf import HFDecoderConfig, from_pretrained, is_hf_folder
+from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -133,9 +134,8 @@ def window_warnings(prompts: list[str], max_new_tokens: int, block_size: int) ->
 def _source(path: str) -> tuple[Any, Path, Path | None]:
     """(model config, folder, tokenizer.json or None) of a run, a checkpoint or a Hugging
     Face folder; a run trained ``--init-from`` an HF folder decodes with its tokenizer."""
-    if is_hf_folder(path):
-        tok = Path(path) / TOKENIZER_FILE
-        return read_config(path), Path(path), tok if tok.is_file() else None
+    if looks_like_hf_folder(path):  # checked whole: a corrupt folder is one named error
+        return check_folder(path, tokenizer="required"), Path(path), Path(path) / TOKENIZER_FILE
     d = resolve_checkpoint(path)
     manifest = read_manifest(d)
     init = (manifest.get("config") or {}).get("init_from")

@@ -26,7 +26,8 @@ from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
-from moebit.models.hf import from_pretrained, is_hf_folder, read_config
+from moebit.models.hf import from_pretrained, is_hf_folder
+from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.tokenizer import ByteTokenizer, HFTokenizer
 from moebit.serve.server import follow, serve_main
 
@@ -71,8 +72,8 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
     if args.context < 0:
         raise ValueError("--context must be >= 0 (0: the model's own)")
-    if is_hf_folder(args.checkpoint):
-        hf = read_config(args.checkpoint)
+    if looks_like_hf_folder(args.checkpoint):  # checked whole: one named error, no traceback
+        hf = check_folder(args.checkpoint, tokenizer="required")
         counts = [hf.num_experts] * len(hf.moe_layers) if hf.is_moe else []
         d = args.checkpoint
     else:

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from moebit.models.hf.config import FAMILIES, HFDecoderConfig
+from moebit.models.hf.folder import copy_side_files
 from moebit.models.hf.weights import INDEX, SafetensorsFolder
 
 # dense family -> the MoE family it upcycles into (same attention, norms and RoPE)
@@ -47,8 +48,6 @@ _DROP_KEYS = {"model_type", "architectures", "auto_map", "_name_or_path", "mlp_b
               "pretraining_tp", "attention_bias"}
 _ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM", "flex_olmo": "FlexOlmoForCausalLM"}
-# files of the source folder that are not copied: the weights and the config are rewritten
-_NOT_COPIED = ("config.json", INDEX, "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 @dataclass
@@ -190,13 +189,6 @@ def _shards(src: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec
         yield _moe_layer_tensors(src, cfg, layer, spec, gen)
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """Tokenizer, generation config, chat template...: every top-level file but weights."""
-    for f in sorted(src.iterdir()):
-        if f.is_file() and not any(f.match(p) for p in _NOT_COPIED):
-            shutil.copy2(f, out / f.name)
-
-
 def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
     """Write the upcycled MoE model of the dense Hugging Face folder ``src`` to ``out``
     (a new or empty folder). Returns ``out``."""
@@ -222,7 +214,7 @@ def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
     tmp.mkdir(parents=True)
     try:
         _write_folder(SafetensorsFolder(src), cfg, spec, moe_hf, tmp)
-        _copy_side_files(src, tmp)
+        copy_side_files(src, tmp)  # tokenizer, chat template, generation config, ...
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
