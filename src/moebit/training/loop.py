@@ -35,12 +35,14 @@ from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, broadcast_params_, init_from_env
 from moebit.inference.generate import generate
 from moebit.models.build import build_model
+from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep, update_router_biases_
 from moebit.optim import build_optimizer
 from moebit.runs import tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
+from moebit.runs.units import loss_text, loss_unit
 from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig, build
 from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
@@ -185,8 +187,12 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     hooks = hooks or Hooks()
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
+    unit = loss_unit(len(corpus.val), len(corpus.val), None)
     if cfg.init_from:  # a Hugging Face model trains on its tokenizer's ids
+        text = corpus
         corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
+        if corpus is not text:  # per token of that tokenizer; bits/byte from the val text
+            unit = loss_unit(len(text.val), len(corpus.val), str(Path(cfg.init_from) / TOKENIZER_FILE))
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
@@ -297,6 +303,7 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
         val_loss = loop.validate()
     summary = end_record(cfg, model, opt, meter, val_loss, time.perf_counter() - t_start,
                          corpus.unigram_entropy())
+    summary.update(unit)
     summary.update(hooks.end(loop, summary))
     if cfg.samples and not cfg.init_from:  # byte prompts: moebit's GPT only
         texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
@@ -332,8 +339,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def summary_line(s: dict[str, Any]) -> str:
-    parts = [f"{s['steps']} steps", f"val loss {s['val_loss']:.4f} nats/byte "
-             f"({s['val_loss'] / math.log(2):.3f} bits/byte)",
+    parts = [f"{s['steps']} steps", f"val loss {loss_text(s['val_loss'], s)}",
              f"{s['n_params'] / 1e6:.2f}M params", f"{s['tokens_per_s']:.0f} tokens/s",
              f"{s['bytes_sent'] / 1e6:.1f} MB sent per rank", f"{s['train_time']:.1f} s training"]
     if s.get("frozen_at"):
