@@ -210,9 +210,17 @@ def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]
     return run_dir
 
 
+def compare_command(teacher: str | Path, run_dir: Path) -> str:
+    """The command that compares the student with its teacher: ``moebit report`` reads
+    run folders, so a Hugging Face folder teacher (no metrics.jsonl) is left out of it."""
+    if (Path(teacher) / METRICS_FILE).is_file():
+        return f"moebit report {teacher} {run_dir}"
+    return f"moebit report {run_dir}; moebit eval {run_dir}"
+
+
 def main(argv: list[str]) -> int:
     cfg, dcfg, launch = parse_args(list(argv))
     run_dir = launch_distill(cfg, dcfg, launch)
     print(f"moebit distill: done; metrics and plots in {run_dir} "
-          f"(compare: moebit report {dcfg.teacher} {run_dir})")
+          f"(compare: {compare_command(dcfg.teacher, run_dir)})")
     return 0
