@@ -115,11 +115,14 @@ def test_train_and_distill_check_before_any_rank_and_leave_no_run(cmd, broken, t
     assert not run.exists()
 
 
-def test_train_without_tokenizer_needs_a_byte_sized_vocabulary(tmp_path, capsys):
+@pytest.mark.parametrize("cmd", ["train", "distill"])
+def test_training_without_tokenizer_needs_a_byte_sized_vocabulary(cmd, tmp_path, capsys):
     make_hf_model("mixtral", tmp_path / "small")  # vocabulary 96, no tokenizer.json
     run = tmp_path / "run"
+    argv = (["train", "--init-from"] if cmd == "train" else
+            ["distill", "--student-layers", "2", "--teacher"])
     capsys.readouterr()
-    assert moebit(["train", "--init-from", str(tmp_path / "small"), "--block-size", "16",
+    assert moebit([*argv, str(tmp_path / "small"), "--block-size", "16",
                    "--nproc", "1", "--run-dir", str(run)]) == 2
     _one_line(capsys, "tokenizer.json does not exist and the vocabulary (96) is too small")
     assert not run.exists()

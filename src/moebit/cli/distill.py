@@ -56,7 +56,12 @@ from moebit.distill.students_hf import (
     load_hf_teacher,
     write_student,
 )
-from moebit.models.hf.folder import check_folder, copy_side_files, looks_like_hf_folder
+from moebit.models.hf.folder import (
+    check_folder,
+    check_training_tokenizer,
+    copy_side_files,
+    looks_like_hf_folder,
+)
 from moebit.runs import tracking
 from moebit.runs.metrics import FILE_NAME as METRICS_FILE
 from moebit.training.config import TrainConfig, build
@@ -134,7 +139,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
         dvals["keep_layers"] = _keep_list(dvals["keep_layers"])
     dcfg = DistillConfig(**dvals).validate()
     if looks_like_hf_folder(dcfg.teacher):  # a corrupt folder: one line naming the file
-        check_folder(dcfg.teacher, tokenizer="optional")
+        check_folder(dcfg.teacher, tokenizer="ignore")  # the tokenizer: in hf_student
     hf_teacher = find_hf_teacher(dcfg.teacher)
     if hf_teacher is not None:
         return hf_student(hf_teacher, dcfg, given), dcfg, launch
@@ -163,6 +168,8 @@ def hf_student(t: HFTeacher, dcfg: DistillConfig, given: dict[str, Any]) -> Trai
     if (run_dir / METRICS_FILE).exists():
         raise UsageError(f"--run-dir {str(run_dir)!r} already holds a run ({METRICS_FILE}): pick "
                          f"another folder, or continue it with --resume {run_dir}")
+    if t.init_from is not None:  # the student trains on its ids: checked before writing
+        check_training_tokenizer(t.init_from, t.config.vocab_size)
     student_dir = run_dir / STUDENT_DIR
     teacher = load_hf_teacher(t, dtype="auto" if t.checkpoint is None else None)
     write_student(teacher, keep, student_dir)

@@ -147,9 +147,16 @@ def check_folder(path: str | Path, tokenizer: str = "optional") -> HFDecoderConf
         raise ValueError(f"tokenizer must be required, optional or ignore, got {tokenizer!r}")
     cfg = check_config(path)
     check_weights(cfg, path)
-    if tokenizer != "ignore":
-        has = check_tokenizer(path, tokenizer == "required", cfg.vocab_size)
-        if not has and cfg.vocab_size < 256:
-            raise HFFolderError(f"{Path(path) / TOKENIZER_FILE} does not exist and the "
-                                f"vocabulary ({cfg.vocab_size}) is too small for byte ids")
+    if tokenizer == "required":
+        check_tokenizer(path, True, cfg.vocab_size)
+    elif tokenizer == "optional":
+        check_training_tokenizer(path, cfg.vocab_size)
     return cfg
+
+
+def check_training_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """Training's rule: the folder's tokenizer when it has one (it must parse), else raw
+    byte ids, which need a vocabulary of at least 256."""
+    if not check_tokenizer(path, False, vocab_size) and vocab_size < 256:
+        raise HFFolderError(f"{Path(path) / TOKENIZER_FILE} does not exist and the "
+                            f"vocabulary ({vocab_size}) is too small for byte ids")
