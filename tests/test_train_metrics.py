@@ -5,8 +5,8 @@ from pathlib import Path
 import torch
 
 from moebit.comm import stats
-from moebit.training.loop import saved_totals
 from moebit.training.meter import Meter, RunTotals
+from moebit.training.setup import saved_totals
 from moebit.training.state import Resumed
 
 

@@ -143,7 +143,7 @@ def _distill_with_nan_on_rank1(rank: int, world: int, cfg_dict: dict, d_dict: di
     average, and no expert parallelism, so nothing carries the NaN to rank 0's gradients."""
     from moebit.comm.collectives import init_from_env
     from moebit.distill.run import distill
-    from moebit.training.loop import NonFiniteLoss
+    from moebit.training.grads import NonFiniteLoss
 
     from toys import poison_gpt_loss
 

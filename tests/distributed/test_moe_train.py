@@ -42,7 +42,7 @@ def _outputs(rank: int, world: int, cfg_dict: dict, src: str, dst: str | None):
         logits = model(x).logits
     if dst is not None:
         from moebit.training.data import TrainBatches, load_corpus
-        from moebit.training.loop import make_optimizer, param_groups
+        from moebit.training.setup import make_optimizer, param_groups
         from moebit.training.state import save
 
         info = init_from_env("cpu")

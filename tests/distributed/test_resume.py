@@ -94,7 +94,7 @@ def _restore_in_process(run: Path, cfg: dict, rank: int, world: int):
     from moebit.comm.collectives import DistInfo
     from moebit.models.gpt import GPT
     from moebit.training.data import TrainBatches, load_corpus
-    from moebit.training.loop import make_optimizer, param_groups
+    from moebit.training.setup import make_optimizer, param_groups
     from moebit.training.state import restore
 
     c = build(cfg)
@@ -137,7 +137,7 @@ def test_reshard_dense_two_ranks_to_one(saved_run: Path, small_corpus: Path, tmp
     from moebit.comm.collectives import DistInfo
     from moebit.models.gpt import GPT
     from moebit.training.data import TrainBatches, load_corpus
-    from moebit.training.loop import make_optimizer, param_groups
+    from moebit.training.setup import make_optimizer, param_groups
     from moebit.training.state import restore
 
     c = build(cfg_for(small_corpus, resume=True))

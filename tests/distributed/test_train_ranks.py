@@ -30,7 +30,8 @@ def _params_body(rank: int, world: int, cfg_dict: dict):
     from moebit.comm.collectives import broadcast_params_
     from moebit.models.gpt import GPT
     from moebit.training.data import TrainBatches, load_corpus
-    from moebit.training.loop import average_gradients, clip_gradients, make_optimizer, param_groups
+    from moebit.training.grads import average_gradients, clip_gradients
+    from moebit.training.setup import make_optimizer, param_groups
 
     cfg = build(cfg_dict)
     torch.manual_seed(rank)  # different init per rank: broadcast must fix it

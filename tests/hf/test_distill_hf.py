@@ -12,17 +12,11 @@ import pytest
 import torch
 from hf_models import make_hf_model, run_moebit, text_corpus, train_tokenizer
 
-from moebit.distill.students import DistillError
-from moebit.distill.students_hf import (
-    check_hf_keep,
-    choose_hf_layers,
-    find_hf_teacher,
-    load_hf_teacher,
-    student_hf_dict,
-    write_student,
-)
+from moebit.distill.students import DistillError, check_keep, choose_layers
+from moebit.distill.teacher import find_teacher, load_teacher, write_student
 from moebit.hf import HFDecoderConfig, from_pretrained, read_config
 from moebit.inference.loading import load_model
+from moebit.models.hf.family import student_hf_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,23 +34,23 @@ def _config(family: str, tmp: Path, **overrides):
 
 def test_layers_follow_depth_and_the_family_pattern(tmp_path):
     mixtral = _config("mixtral", tmp_path, num_hidden_layers=5)
-    assert choose_hf_layers(mixtral, 2) == [0, 4]  # the first and the last layer stay
-    assert choose_hf_layers(mixtral, 3) == [0, 2, 4]
+    assert choose_layers(mixtral, 2) == [0, 4]  # the first and the last layer stay
+    assert choose_layers(mixtral, 3) == [0, 2, 4]
     # Qwen3-MoE, decoder_sparse_step 2: MoE at 1, 3, 5; a 4-layer student is dense, MoE, dense, MoE
     qwen3 = _config("qwen3_moe", tmp_path, num_hidden_layers=6)
     assert qwen3.moe_layers == [1, 3, 5]
-    keep = choose_hf_layers(qwen3, 4)
+    keep = choose_layers(qwen3, 4)
     assert keep == [0, 1, 4, 5]
     hf = student_hf_dict(qwen3, keep)
     assert hf["num_hidden_layers"] == 4 and hf["decoder_sparse_step"] == 2
     assert hf["mlp_only_layers"] == []
     with pytest.raises(DistillError, match="student layer 0 is dense by the family's pattern"):
-        check_hf_keep(qwen3, [1, 2, 4, 5])
+        check_keep(qwen3, [1, 2, 4, 5])
     # Qwen2-MoE, mlp_only_layers [2]: a dense teacher layer may fill an MoE slot, listed
     # again in the student's mlp_only_layers; layer_types follow their layers
     qwen2 = _config("qwen2_moe", tmp_path, num_hidden_layers=5, mlp_only_layers=[2])
     assert qwen2.moe_layers == [0, 1, 3, 4]
-    keep = choose_hf_layers(qwen2, 3)
+    keep = choose_layers(qwen2, 3)
     assert keep == [0, 2, 4]
     hf = student_hf_dict(qwen2, keep)
     assert hf["mlp_only_layers"] == [1] and len(hf["layer_types"]) == 3
@@ -67,15 +61,15 @@ def test_layers_follow_depth_and_the_family_pattern(tmp_path):
 def test_named_errors(tmp_path):
     cfg = _config("olmoe", tmp_path)
     with pytest.raises(DistillError, match="shallower than the teacher"):
-        choose_hf_layers(cfg, 3)
+        choose_layers(cfg, 3)
     with pytest.raises(DistillError, match="strictly increasing"):
-        check_hf_keep(cfg, [1, 0])
+        check_keep(cfg, [1, 0])
     with pytest.raises(DistillError, match="does not exist"):
-        find_hf_teacher(tmp_path / "nope")
+        find_teacher(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text('{"model_type": "mixtral"}')
     with pytest.raises(DistillError, match="neither safetensors"):
-        find_hf_teacher(tmp_path / "empty")
+        find_teacher(tmp_path / "empty")
 
 
 def _truncated(model, keep: list[int]):
@@ -89,9 +83,9 @@ def _truncated(model, keep: list[int]):
 @pytest.mark.parametrize("n_student", [2, 3])
 def test_student_init_is_the_chosen_teacher_layers(family, n_student, tmp_path):
     teacher_hf = make_hf_model(family, tmp_path / "t", num_hidden_layers=4)
-    t = find_hf_teacher(tmp_path / "t")
-    keep = choose_hf_layers(t.config, n_student)
-    write_student(load_hf_teacher(t), keep, tmp_path / "s")
+    t = find_teacher(tmp_path / "t")
+    keep = choose_layers(t.config, n_student)
+    write_student(load_teacher(t), keep, tmp_path / "s")
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == n_student
     student_hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s").eval()

@@ -14,7 +14,7 @@ from moebit.runs.metrics import MetricsWriter
 from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig, build
 from moebit.training.data import TrainBatches, load_corpus
-from moebit.training.loop import make_optimizer, param_groups
+from moebit.training.setup import make_optimizer, param_groups
 
 TINY = {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32, "batch_size": 4, "steps": 4,
         "samples": 0, "dtype": "fp32", "eval_batches": 1, "threads": 1}

@@ -19,7 +19,7 @@ from moebit.runs.metrics import MetricsWriter
 from moebit.training import state as ckpt_io
 from moebit.training.config import build
 from moebit.training.data import TrainBatches
-from moebit.training.loop import make_optimizer, param_groups
+from moebit.training.setup import make_optimizer, param_groups
 
 
 def test_torn_last_line_is_dropped_on_resume_with_a_warning(tmp_path: Path):

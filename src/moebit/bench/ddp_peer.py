@@ -34,14 +34,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from moebit.cli.launch import prepare_run_dir, run_ranks
-from moebit.cli.train import parse_train_args
 from moebit.comm import stats
 from moebit.comm.collectives import broadcast_params_, init_from_env
 from moebit.models.gpt import GPT
+from moebit.models.registry import new_model
 from moebit.training.config import TrainConfig, build
 from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
-from moebit.training.loop import autocast, clip_gradients, evaluate, lr_at, make_optimizer, param_groups
+from moebit.training.evaluation import autocast, evaluate
+from moebit.training.grads import clip_gradients
+from moebit.training.setup import lr_at, make_optimizer, param_groups
 
 PEERS = ("powersgd", "fp16")
 ONE_BUCKET_MB = 1 << 14  # 16 GiB: every gradient of any model this runs lands in one bucket
@@ -117,7 +118,7 @@ def worker(cfg: TrainConfig, run_dir: Path, peer: str, rank: int, start_iter: in
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
     check_block_size(corpus, cfg.model.block_size)
-    model = GPT(cfg.model_config()).to(info.device)
+    model = new_model(cfg.model_config()).to(info.device)
     broadcast_params_(model)
     ddp = wrap(model, peer, rank, start_iter, bucket_cap_mb)
     opt = make_optimizer(cfg, param_groups(model, cfg))
@@ -168,41 +169,22 @@ def worker(cfg: TrainConfig, run_dir: Path, peer: str, rank: int, start_iter: in
     dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> int:
+def run_worker(argv: list[str]) -> int:
+    """One rank of a DDP peer run (started by ``python -m moebit.cli.ddp_peer``)."""
     ap = argparse.ArgumentParser(prog="python -m moebit.bench.ddp_peer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", choices=PEERS, required=True)
-    ap.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's matrix rank")
-    ap.add_argument("--powersgd-start", type=int, default=None,
-                    help="exact allreduce before this step (default: 20%% of the steps, as "
-                         "1-bit Adam's default freeze)")
-    ap.add_argument("--bucket-cap-mb", type=float, default=None,
-                    help="DDP bucket size (default: one bucket on gloo, DDP's default on NCCL)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--resolved-config", help=argparse.SUPPRESS)
-    args, rest = ap.parse_known_args(argv)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    if args.worker:
-        path = Path(args.resolved_config)
-        cfg = build(json.loads(path.read_text()), source=str(path))
-        worker(cfg, path.parent, args.peer, args.powersgd_rank, int(args.powersgd_start),
-               args.bucket_cap_mb)
-        return 0
-    cfg, launch = parse_train_args(rest)
-    if (cfg.moe is not None and cfg.moe.ep_size > 1) or cfg.optimizer != "adam":
-        raise SystemExit("ddp_peer: the DDP peers run Adam without expert parallelism "
-                         f"(got --optimizer {cfg.optimizer}, --ep-size {cfg.moe.ep_size if cfg.moe else 1})")
-    start = args.powersgd_start if args.powersgd_start is not None else max(2, round(0.2 * cfg.steps))
-    run_dir = prepare_run_dir(cfg)
-    worker_args = ["--worker", "--resolved-config", str(run_dir / "config.json"), "--peer",
-                   args.peer, "--powersgd-rank", str(args.powersgd_rank), "--powersgd-start",
-                   str(start)]
-    if args.bucket_cap_mb is not None:
-        worker_args += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
-    run_ranks(launch, "moebit.bench.ddp_peer", worker_args, f"DDP peer {args.peer}")
+    ap.add_argument("--powersgd-rank", type=int, default=4)
+    ap.add_argument("--powersgd-start", type=int, required=True)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--resolved-config", required=True)
+    args = ap.parse_args(argv)
+    path = Path(args.resolved_config)
+    cfg = build(json.loads(path.read_text()), source=str(path))
+    worker(cfg, path.parent, args.peer, args.powersgd_rank, args.powersgd_start, args.bucket_cap_mb)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_worker(sys.argv[1:]))

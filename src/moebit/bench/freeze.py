@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from moebit.comm import collectives, stats
-from moebit.models.gpt import GPT, GPTConfig
+from moebit.models.gpt import GPTConfig
+from moebit.models.registry import new_model
 from moebit.optim import AutoFreeze, OnebitAdam
 from moebit.testing import run_on_ranks
 from moebit.training.data import TrainBatches, load_corpus, val_batches
@@ -50,7 +51,7 @@ def _run_all(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]
     results = []
     for choice in opts["choices"]:
         torch.manual_seed(opts["seed"])
-        model = GPT(cfg)
+        model = new_model(cfg)
         if choice == "adam":
             opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=opts["lr"])
         else:

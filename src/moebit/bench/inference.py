@@ -46,6 +46,7 @@ from moebit.inference.generate import dropless, generate_tokens
 from moebit.inference.loading import load_model
 from moebit.inference.quantize import Int8Experts, quantize_experts_
 from moebit.models.gpt import GPT, GPTConfig
+from moebit.models.registry import new_model
 from moebit.moe import MoE, ResidualMoE
 from moebit.moe.experts import Experts
 from moebit.testing import run_on_ranks
@@ -169,7 +170,7 @@ def synthetic_config(a: argparse.Namespace, ep_size: int = 1) -> GPTConfig:
 def build_model(a: argparse.Namespace, ep_size: int = 1, rank: int = 0) -> GPT:
     if a.synthetic:
         torch.manual_seed(0)  # experts are drawn in global order: any ep_size gets the same
-        return GPT(synthetic_config(a, ep_size)).eval()
+        return new_model(synthetic_config(a, ep_size)).eval()
     return load_model(a.run, ep_size=ep_size, rank=rank)
 
 

@@ -45,6 +45,7 @@ from moebit.inference.generate import generate_tokens
 from moebit.inference.loading import load_model
 from moebit.models.gpt import GPT
 from moebit.models.hf import from_pretrained, is_hf_folder
+from moebit.models.registry import new_model
 from moebit.testing import free_port
 from moebit.training.config import build
 from moebit.training.data import TrainBatches
@@ -58,7 +59,7 @@ def synthetic_run(folder: Path) -> Path:
     """A run folder with a random MoE GPT (timing only needs the architecture)."""
     cfg = build({**SYNTHETIC, "samples": 0, "run_dir": str(folder)})
     torch.manual_seed(0)
-    model = GPT(cfg.model_config())
+    model = new_model(cfg.model_config())
     (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
     save(folder, 1, model, torch.optim.Adam(model.parameters()),
          TrainBatches(np.arange(1000, dtype=np.uint8), 32, 2, 0, 0),

@@ -182,7 +182,7 @@ def limit_run(extra: list[str], nproc: int, steps: int, out: Path, seed: int,
 
 def _peer_argv(extra: list[str], peer: str, rank: int, nproc: int, steps: int,
                run_dir: Path, seed: int, start: str | None) -> list[str]:
-    argv = [sys.executable, "-m", "moebit.bench.ddp_peer", "--peer", peer,
+    argv = [sys.executable, "-m", "moebit.cli.ddp_peer", "--peer", peer,
             "--powersgd-rank", str(rank)]
     if start is not None and start.isdigit():
         argv += ["--powersgd-start", start]

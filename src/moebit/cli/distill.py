@@ -48,14 +48,8 @@ from moebit.distill.run import (
     load_teacher_config,
     student_train_config,
 )
-from moebit.distill.students_hf import (
-    HFTeacher,
-    check_hf_keep,
-    choose_hf_layers,
-    find_hf_teacher,
-    load_hf_teacher,
-    write_student,
-)
+from moebit.distill.students import check_keep, choose_layers
+from moebit.distill.teacher import Teacher, find_teacher, load_teacher, write_student
 from moebit.models.hf.folder import (
     check_folder,
     check_training_tokenizer,
@@ -139,10 +133,10 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
         dvals["keep_layers"] = _keep_list(dvals["keep_layers"])
     dcfg = DistillConfig(**dvals).validate()
     if looks_like_hf_folder(dcfg.teacher):  # a corrupt folder: one line naming the file
-        check_folder(dcfg.teacher, tokenizer="ignore")  # the tokenizer: in hf_student
-    hf_teacher = find_hf_teacher(dcfg.teacher)
-    if hf_teacher is not None:
-        return hf_student(hf_teacher, dcfg, given), dcfg, launch
+        check_folder(dcfg.teacher, tokenizer="ignore")  # the tokenizer: in folder_student
+    teacher = find_teacher(dcfg.teacher)
+    if teacher.folder is not None:  # its student starts from a model folder of its own
+        return folder_student(teacher, dcfg, given), dcfg, launch
     t_cfg, _ = load_teacher_config(dcfg.teacher)
     cfg, keep = student_train_config(t_cfg, dcfg, given)
     dcfg.keep_layers = keep
@@ -151,31 +145,32 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     return cfg, dcfg, launch
 
 
-def hf_student(t: HFTeacher, dcfg: DistillConfig, given: dict[str, Any]) -> TrainConfig:
-    """The student of a Hugging Face teacher: write ``RUN/student-init`` (the kept layers
-    as a Hugging Face folder, with the teacher's tokenizer) and train ``--init-from`` it.
+def folder_student(t: Teacher, dcfg: DistillConfig, given: dict[str, Any]) -> TrainConfig:
+    """The student of a teacher that comes with a model folder (a Hugging Face folder, or
+    a run trained ``--init-from`` one): write ``RUN/student-init`` (the kept layers as its
+    family's folder, with the teacher's tokenizer) and train ``--init-from`` it.
 
     Training settings are a teacher run's (none for a folder), then the flags. The folder is
     written before the launch checks, since the student's config is read from it; a run
     folder that already holds a run is refused first, so nothing of a run is overwritten.
     """
-    keep = dcfg.keep_layers or choose_hf_layers(t.config, dcfg.student_layers)
+    keep = dcfg.keep_layers or choose_layers(t.config, dcfg.student_layers)
     if len(keep) != dcfg.student_layers:
         raise UsageError(f"--keep-layers lists {len(keep)} layers but --student-layers is "
                          f"{dcfg.student_layers}")
-    check_hf_keep(t.config, keep)
+    check_keep(t.config, keep)
     run_dir = Path(given.pop("run_dir", None) or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-distill")
     if (run_dir / METRICS_FILE).exists():
         raise UsageError(f"--run-dir {str(run_dir)!r} already holds a run ({METRICS_FILE}): pick "
                          f"another folder, or continue it with --resume {run_dir}")
-    if t.init_from is not None:  # the student trains on its ids: checked before writing
-        check_training_tokenizer(t.init_from, t.config.vocab_size)
+    if t.folder is not None:  # the student trains on its ids: checked before writing
+        check_training_tokenizer(t.folder, t.config.vocab_size)
     student_dir = run_dir / STUDENT_DIR
-    teacher = load_hf_teacher(t, dtype="auto" if t.checkpoint is None else None)
+    teacher = load_teacher(t, dtype=t.family.stored_dtype(t.config) if t.checkpoint is None else None)
     write_student(teacher, keep, student_dir)
     del teacher
-    if t.init_from is not None and t.init_from.is_dir():  # tokenizer, chat template, ...
-        copy_side_files(t.init_from, student_dir)
+    if t.folder is not None and t.folder.is_dir():  # tokenizer, chat template, ...
+        copy_side_files(t.folder, student_dir)
     values = {**t.train_values, "init_from": str(student_dir), "resume": False,
               "run_dir": str(run_dir)}
     dcfg.keep_layers = keep

@@ -31,7 +31,7 @@ from moebit.inference.loading import load_model, resolve_checkpoint
 from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.runs.units import bits_per_byte, loss_unit, unit_name
 from moebit.training.data import load_corpus, val_batches
-from moebit.training.loop import evaluate
+from moebit.training.evaluation import evaluate
 from moebit.training.tokenized import corpus_for_model
 
 matplotlib.use("Agg")  # files only: no display on a training machine

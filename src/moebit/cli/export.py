@@ -26,8 +26,8 @@ from pathlib import Path
 
 from moebit.checkpoint import read_manifest
 from moebit.inference.loading import load_model, resolve_checkpoint
-from moebit.models.hf import HFDecoder, save_pretrained
 from moebit.models.hf.folder import copy_side_files, model_files
+from moebit.models.registry import family_of
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,9 +80,6 @@ def export(checkpoint: str | Path, to: str | Path, overwrite: bool = False) -> P
     out = Path(to)
     check_target(out, overwrite, d)
     model = load_model(d)
-    if not isinstance(model, HFDecoder):
-        raise ValueError(f"{d} holds a moebit GPT; export writes Hugging Face families only "
-                         "(train with --init-from HF_DIR)")
     init = (read_manifest(d).get("config") or {}).get("init_from")
     # written next to ``out`` and renamed at the end: an interrupted export leaves no
     # folder that looks like a complete model, and never a mix of two
@@ -90,7 +87,10 @@ def export(checkpoint: str | Path, to: str | Path, overwrite: bool = False) -> P
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_pretrained(model, tmp)
+        try:
+            family_of(model.config).save_folder(model, tmp)
+        except ValueError as e:  # a family that writes no folder (moebit's GPT)
+            raise ValueError(f"{d}: {e}") from None
         if init and Path(init).is_dir():
             copy_side_files(init, tmp)
         _swap_in(tmp, out)

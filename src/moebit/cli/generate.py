@@ -34,9 +34,9 @@ from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import generate_tokens
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
-from moebit.models.hf import HFDecoderConfig, from_pretrained, is_hf_folder
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
+from moebit.models.registry import family_of, family_of_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,12 +95,10 @@ def _check(args: argparse.Namespace) -> int:
     cfg, d, tok = _source(args.checkpoint)
     if tok is not None and args.stop:
         raise ValueError("--stop compares bytes: it works with byte-level models only")
-    if isinstance(cfg, HFDecoderConfig):
-        counts = [cfg.num_experts] * len(cfg.moe_layers)
-    else:
+    if tok is None:  # byte-level: the window is counted in the prompt's bytes
         for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
             print(f"moebit generate: warning: {line}", file=sys.stderr)
-        counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
+    counts = family_of(cfg).pattern(cfg).expert_counts
     if args.quantize == "int8" and not counts:
         raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
     ep = args.ep_size
@@ -134,8 +132,12 @@ def window_warnings(prompts: list[str], max_new_tokens: int, block_size: int) ->
 def _source(path: str) -> tuple[Any, Path, Path | None]:
     """(model config, folder, tokenizer.json or None) of a run, a checkpoint or a Hugging
     Face folder; a run trained ``--init-from`` an HF folder decodes with its tokenizer."""
-    if looks_like_hf_folder(path):  # checked whole: a corrupt folder is one named error
-        return check_folder(path, tokenizer="required"), Path(path), Path(path) / TOKENIZER_FILE
+    if looks_like_hf_folder(path):  # checked whole first: a corrupt folder is one named error
+        check_folder(path, tokenizer="required")
+    fam = family_of_folder(path)
+    if fam is not None:
+        tok = Path(path) / TOKENIZER_FILE
+        return fam.read_folder_config(Path(path)), Path(path), tok if tok.is_file() else None
     d = resolve_checkpoint(path)
     manifest = read_manifest(d)
     init = (manifest.get("config") or {}).get("init_from")
@@ -144,8 +146,9 @@ def _source(path: str) -> tuple[Any, Path, Path | None]:
 
 
 def _load(path: str, ep: int, rank: int) -> torch.nn.Module:
-    if is_hf_folder(path):
-        return from_pretrained(path, ep_size=ep, rank=rank)
+    fam = family_of_folder(path)
+    if fam is not None:
+        return fam.load_folder(fam.read_folder_config(Path(path), ep), Path(path)).eval()
     return load_model(path, ep_size=ep, rank=rank)
 
 

@@ -26,9 +26,8 @@ from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
-from moebit.models.hf import from_pretrained, is_hf_folder
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
-from moebit.models.tokenizer import ByteTokenizer, HFTokenizer
+from moebit.models.registry import family_of, family_of_folder
 from moebit.serve.server import follow, serve_main
 
 HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
@@ -72,14 +71,17 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
     if args.context < 0:
         raise ValueError("--context must be >= 0 (0: the model's own)")
-    if looks_like_hf_folder(args.checkpoint):  # checked whole: one named error, no traceback
-        hf = check_folder(args.checkpoint, tokenizer="required")
-        counts = [hf.num_experts] * len(hf.moe_layers) if hf.is_moe else []
+    if looks_like_hf_folder(args.checkpoint):  # checked whole first: one named error, no traceback
+        check_folder(args.checkpoint, tokenizer="required")
+    fam = family_of_folder(args.checkpoint)
+    if fam is not None:
+        cfg = fam.read_folder_config(Path(args.checkpoint))
         d = args.checkpoint
     else:
         d = resolve_checkpoint(args.checkpoint)
         cfg = model_config_of(read_manifest(d), d)
-        counts = [cfg.experts_at(i) for i in cfg.moe_layers()]
+        fam = family_of(cfg)
+    counts = fam.pattern(cfg).expert_counts
     if args.quantize == "int8" and not counts:
         raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
     ep = args.ep_size or args.nproc
@@ -92,16 +94,18 @@ def check(args: argparse.Namespace) -> int:
 
 
 def load_for_serving(args: argparse.Namespace, rank: int) -> tuple[torch.nn.Module, object]:
-    """The model (a moebit run or a Hugging Face folder) and the tokenizer it reads and writes."""
-    if not is_hf_folder(args.checkpoint):
+    """The model (a moebit run or a model folder) and the tokenizer it reads and writes."""
+    folder = Path(args.checkpoint)
+    fam = family_of_folder(folder)
+    if fam is None:
         model = load_model(args.checkpoint, ep_size=args.ep_size or 1, rank=rank)
         if args.context:
             model.config.block_size = min(args.context, model.config.block_size)
-        return model, ByteTokenizer()
-    model = from_pretrained(args.checkpoint, ep_size=args.ep_size or 1, rank=rank)
+        return model, family_of(model.config).tokenizer(None)
+    model = fam.load_folder(fam.read_folder_config(folder, args.ep_size or 1), folder).eval()
     limit = model.config.max_position_embeddings
     model.config.block_size = min(args.context or HF_CONTEXT, limit)
-    return model, HFTokenizer.from_folder(args.checkpoint)
+    return model, fam.tokenizer(folder)
 
 
 def run_rank(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moebit.checkpoint import CheckpointError
-from moebit.models.hf import is_hf_folder
+from moebit.models.registry import family_of_folder
 from moebit.training.config import ConfigError
 from moebit.upcycle.hf_folder import HFUpcycleSpec, moe_family_of, upcycle_hf
 from moebit.upcycle.runs import upcycle
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print("moebit upcycle: --noise and --router-std must be >= 0", file=sys.stderr)
         return 2
     try:
-        msg = _hf_upcycle(args) if is_hf_folder(args.run) else _run_upcycle(args)
+        msg = _run_upcycle(args) if family_of_folder(args.run) is None else _hf_upcycle(args)
     except (CheckpointError, ConfigError, ValueError, KeyError, OSError) as e:
         print(f"moebit upcycle: {e}", file=sys.stderr)
         return 2

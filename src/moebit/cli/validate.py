@@ -16,8 +16,9 @@ import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, list_complete, read_manifest, verify
 from moebit.cli.args import UsageError
-from moebit.models.gpt import GPTConfig, moe_config_for
 from moebit.models.hf.folder import check_folder
+from moebit.models.registry import family_of
+from moebit.moe import is_expert_param
 from moebit.training.config import ConfigError, TrainConfig
 from moebit.training.data import Corpus, check_block_size, load_corpus
 from moebit.training.state import check_model_config
@@ -45,13 +46,10 @@ def check_parallel(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"ep_size: {cfg.moe.ep_size} does not divide the world size {world} "
                           "(--nproc x --nnodes)")
     model = cfg.model_config()
-    if not isinstance(model, GPTConfig):
-        return  # a Hugging Face config: its MoE settings were checked when it was read
-    for layer in model.moe_layers():
-        try:
-            moe_config_for(model, layer)
-        except ValueError as e:
-            raise ConfigError(f"MoE layer {layer}: {e}") from None
+    try:
+        family_of(model).check(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_device(cfg: TrainConfig, nproc: int) -> None:
@@ -93,18 +91,20 @@ def check_run_dir(run_dir: Path) -> None:
 
 def estimate_rank_bytes(cfg: TrainConfig, world: int) -> int:
     """A rough upper bound of one rank's memory: weights, gradients and two optimizer
-    moments in fp32, plus activations; experts split over ep_size. A Hugging Face model is
-    sized from its safetensors files instead."""
+    moments in fp32, plus activations; experts split over ep_size. The parameters are
+    counted exactly, on a model built on the meta device (no storage)."""
     model = cfg.model_config()
-    ep = cfg.moe.ep_size if cfg.moe else 1
-    if not isinstance(model, GPTConfig):
-        weights = sum(f.stat().st_size for f in Path(str(cfg.init_from)).glob("*.safetensors"))
-        return RANK_BASE_BYTES + 4 * weights // ep  # weights, grads and two moments
-    d, L, blk, ffn = model.d_model, model.n_layer, model.block_size, model.d_ffn
-    experts = sum(model.experts_at(i) for i in model.moe_layers())
-    dense_layers = L - len(model.moe_layers())
-    params = 4 * d * d * L + 2 * d * ffn * (dense_layers + experts / ep) + 512 * d
-    activations = cfg.batch_size * blk * (d * 20 + ffn * 3) * L * 4
+    fam = family_of(model)
+    pattern = fam.pattern(model)
+    with torch.device("meta"):  # shapes only: no storage, no process groups
+        meta = fam.build(fam.with_ep_size(model, 1), device="meta")
+    experts = sum(p.numel() for p in meta.parameters() if is_expert_param(p))
+    params = sum(p.numel() for p in meta.parameters()) - experts + experts // pattern.ep_size
+    # activations: about 20 d + 3 d_ffn floats per token and layer (d_ffn ~ 4 d), kept for
+    # the backward pass
+    head = getattr(meta, "lm_head", None)
+    d = head.in_features if isinstance(head, torch.nn.Linear) else 1024
+    activations = cfg.batch_size * model.block_size * 32 * d * pattern.num_layers * 4
     return RANK_BASE_BYTES + int(params * 16 + activations)
 
 

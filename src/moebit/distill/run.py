@@ -20,8 +20,9 @@ hooks (``KDStage``): the teacher's forward and the KD term, the stop rule, and t
 state, saved in every checkpoint. So it has everything training has: ``--resume``,
 ``--save-every``, ``--max-restarts`` that resume, ``--on-nan``, the freeze record and the
 gradient metrics. The student itself (which blocks, its init, the KD loss) is
-``moebit.distill.students`` (``moebit.distill.students_hf`` for the Hugging Face families, whose student
-trains ``--init-from`` a folder holding its starting weights, ``RUN/student-init``).
+``moebit.distill.students``, one algorithm for every model family; a teacher that comes
+with a model folder (a Hugging Face folder, or a run trained ``--init-from`` one) gets a
+student folder, ``RUN/student-init``, which the student trains ``--init-from``.
 
 Each rank runs ``python -m moebit.distill.run --resolved-config RUN/config.json``, launched
 by ``moebit distill`` (``moebit.cli.distill``); ``RUN/distill.json`` holds the settings
@@ -44,8 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebit.checkpoint import latest, read_manifest
-from moebit.checkpoint.weights import load_model_weights
+from moebit.checkpoint import latest
 from moebit.comm.collectives import DistInfo
 from moebit.distill.students import (
     DistillError,
@@ -57,9 +57,7 @@ from moebit.distill.students import (
     kd_loss,
     student_config,
 )
-from moebit.distill.students_hf import check_hf_compatible, choose_hf_layers, find_hf_teacher, load_hf_teacher
-from moebit.models.build import build_model
-from moebit.models.hf import HFDecoderConfig
+from moebit.distill.teacher import find_teacher, load_teacher
 from moebit.models.interface import ModelOutput
 from moebit.training.config import TrainConfig, build
 from moebit.training.evaluation import autocast, evaluate
@@ -159,20 +157,6 @@ def student_train_config(teacher: TrainConfig, dcfg: DistillConfig,
     cfg = build(values, source="teacher config + flags")
     check_compatible(t_model, cfg.model_config(), keep)
     return cfg, keep
-
-
-def build_teacher(dcfg: DistillConfig, ep_size: int, rank: int) -> tuple[nn.Module, TrainConfig, int]:
-    """The teacher, sharded for ``ep_size`` (its checkpoint may have another), frozen; with
-    its config and the step of the checkpoint loaded."""
-    t_cfg, ckpt = load_teacher_config(dcfg.teacher)
-    if t_cfg.moe:
-        t_cfg.model.moe = t_cfg.moe.replace(ep_size=ep_size)
-    teacher = build_model(t_cfg)
-    manifest = read_manifest(ckpt)
-    load_model_weights(ckpt, manifest, teacher, rank, ep_size if t_cfg.moe else 1)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher, t_cfg, int(manifest["step"])
 
 
 @dataclass
@@ -288,29 +272,13 @@ def caught_up(loop: Loop, teacher_val: float) -> float | None:
 
 
 def kd_stage(cfg: TrainConfig, dcfg: DistillConfig, info: DistInfo) -> KDStage:
-    """Load the teacher (sharded like the student) and check the student fits it."""
-    if isinstance(cfg.model_config(), HFDecoderConfig):
-        return hf_kd_stage(cfg, dcfg, info)
-    teacher, t_cfg, teacher_step = build_teacher(dcfg, cfg.moe.ep_size if cfg.moe else 1, info.rank)
-    teacher.to(info.device)
-    keep = dcfg.keep_layers or choose_layers(t_cfg.model_config(), dcfg.student_layers)
+    """Load the teacher (a run's newest checkpoint or a model folder), sharded like the
+    student (this rank's experts only), and check the student fits it."""
+    t = find_teacher(dcfg.teacher)
+    teacher = load_teacher(t, cfg.moe.ep_size if cfg.moe else 1, info.rank).to(info.device)
+    keep = dcfg.keep_layers or choose_layers(t.config, dcfg.student_layers)
     check_compatible(teacher.config, cfg.model_config(), keep)
-    kd_steps = dcfg.kd_steps(cfg.steps)
-    return KDStage(dcfg, teacher, teacher_step, keep, kd_steps)
-
-
-def hf_kd_stage(cfg: TrainConfig, dcfg: DistillConfig, info: DistInfo) -> KDStage:
-    """The KD stage of a Hugging Face student: its teacher (a folder, or a run's newest
-    checkpoint) loaded with the student's expert parallelism, this rank's experts only."""
-    t = find_hf_teacher(dcfg.teacher)
-    if t is None:
-        raise DistillError(f"--teacher {dcfg.teacher!r} is a moebit GPT run but the student "
-                           f"({cfg.init_from}) is a Hugging Face model")
-    teacher = load_hf_teacher(t, cfg.moe.ep_size if cfg.moe else 1, info.rank).to(info.device)
-    keep = dcfg.keep_layers or choose_hf_layers(t.config, dcfg.student_layers)
-    check_hf_compatible(teacher.config, cfg.model_config(), keep)
-    step = int(read_manifest(t.checkpoint)["step"]) if t.checkpoint is not None else 0
-    return KDStage(dcfg, teacher, step, keep, dcfg.kd_steps(cfg.steps))
+    return KDStage(dcfg, teacher, t.step, keep, dcfg.kd_steps(cfg.steps))
 
 
 def distill(cfg: TrainConfig, dcfg: DistillConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:

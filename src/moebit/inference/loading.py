@@ -10,13 +10,14 @@ run with no complete checkpoint, a corrupted shard (named), or another model typ
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, latest, read_manifest
 from moebit.checkpoint.weights import load_model_weights
-from moebit.models.gpt import GPT, GPTConfig
-from moebit.models.hf import HFDecoder, HFDecoderConfig
+from moebit.models.interface import CausalLM
+from moebit.models.registry import family_of, family_of_dict
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -41,31 +42,30 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def model_config_of(manifest: dict, where: Path) -> GPTConfig | HFDecoderConfig:
-    """The model config saved in a manifest (a GPTConfig, or a Hugging Face family's
-    HFDecoderConfig); another kind of checkpoint is named as such."""
+def model_config_of(manifest: dict, where: Path) -> Any:
+    """The model config saved in a manifest, read by the family it names; another kind of
+    checkpoint is named as such."""
     mc = manifest.get("model_config")
     if not isinstance(mc, dict) or "ep_size" not in manifest or "files" not in manifest:
         raise CheckpointError(
-            f"{where / MANIFEST} is not a moebit GPT checkpoint (no model_config / ep_size / files)"
+            f"{where / MANIFEST} is not a moebit checkpoint (no model_config / ep_size / files)"
         )
-    if "model_type" in mc:
-        try:
-            return HFDecoderConfig.from_dict(mc)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: its Hugging Face model_config is invalid ({e})") from None
     try:
-        return GPTConfig(**mc)
+        fam = family_of_dict(mc, str(where / MANIFEST))
+    except ValueError as e:
+        raise CheckpointError(f"{where} holds another model type: {e}") from None
+    try:
+        return fam.config_from_dict(mc)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where} holds another model type: its model_config does not "
-                              f"describe a moebit GPT ({e})") from None
+                              f"describe a {fam.name} model ({e})") from None
 
 
 def load_model(
     path: str | Path, ep_size: int = 1, rank: int = 0, dtype: torch.dtype | None = None
-) -> GPT | HFDecoder:
-    """Build the model (GPT or a Hugging Face family) a checkpoint was saved from and load
-    its weights, in eval mode.
+) -> CausalLM:
+    """Build the model (of any registered family) a checkpoint was saved from and load its
+    weights, in eval mode.
 
     ``ep_size > 1`` splits every MoE layer's experts over that many ranks (the process
     group must be initialised; call on every rank); this rank keeps the slice of
@@ -75,23 +75,19 @@ def load_model(
     d = resolve_checkpoint(path)
     manifest = read_manifest(d)
     cfg = model_config_of(manifest, d)
-    if isinstance(cfg, HFDecoderConfig):
-        model = HFDecoder(cfg.replace(ep_size=ep_size if cfg.is_moe else 1))
-        load_model_weights(d, manifest, model, rank, ep_size if cfg.is_moe else 1)
-        return (model.to(dtype) if dtype is not None else model).eval()
-    if cfg.is_moe:
-        cfg.moe = cfg.moe.replace(ep_size=ep_size)
-    elif ep_size > 1:
+    fam = family_of(cfg)
+    pattern = fam.pattern(cfg)
+    if not pattern.is_moe and ep_size > 1:
         raise ValueError(f"{d} holds a dense model: expert parallelism (ep_size {ep_size}) needs experts")
-    model = GPT(cfg)
+    model = fam.build(fam.with_ep_size(cfg, ep_size))
     try:
-        load_model_weights(d, manifest, model, rank, ep_size if cfg.is_moe else 1)
+        load_model_weights(d, manifest, model, rank, ep_size if pattern.is_moe else 1)
     except KeyError as e:
-        raise CheckpointError(f"{d} is not a moebit GPT checkpoint (missing entry {e})") from None
+        raise CheckpointError(f"{d} is not a {fam.name} checkpoint (missing entry {e})") from None
     except RuntimeError as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{d} holds weights of another model: {str(e).splitlines()[0]}") from None
     if dtype is not None:
-        model.to(dtype)
-    return model.eval()
+        model.to(dtype)  # type: ignore[attr-defined]
+    return model.eval()  # type: ignore[attr-defined]

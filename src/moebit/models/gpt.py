@@ -207,8 +207,16 @@ class Block(nn.Module):
         return x_BTD.reshape(b * t, d).index_add(0, rows_N, out_ND.to(x_BTD.dtype)).view(b, t, d)
 
 
+def gpt_ep_groups(cfg: GPTConfig) -> Any:
+    """The expert-parallel process groups a GPT of ``cfg`` uses (a collective call)."""
+    assert cfg.moe is not None
+    return expert_parallel_groups(cfg.moe.ep_size, hierarchical=cfg.moe.a2a_hierarchical)
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ep_groups: Any = None) -> None:
+        """``ep_groups``: the expert-parallel groups when ``cfg.moe.ep_size > 1`` (made
+        here, collectively, when not given; given when building on the meta device)."""
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -217,8 +225,7 @@ class GPT(nn.Module):
         # Expert-parallel process groups, made once (collectively) and shared by all layers.
         self.ep_groups = None
         if cfg.moe is not None and cfg.moe.ep_size > 1:
-            self.ep_groups = expert_parallel_groups(cfg.moe.ep_size,
-                                                    hierarchical=cfg.moe.a2a_hierarchical)
+            self.ep_groups = ep_groups or gpt_ep_groups(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i, self.ep_groups) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -30,10 +30,8 @@ rank's local gradient before the optimizer averages.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,97 +40,11 @@ from torch.optim import Optimizer
 
 from moebit.comm import collectives
 from moebit.comm.compressed import OnebitAllreduce
+from moebit.optim.buckets import CHUNK, Bucket, chunks, copy_saved_buckets, tensors_in
+from moebit.optim.checks import check_hparams, check_range, check_step_arg
 
-CHUNK = 1 << 18  # elements per temporary in element-wise updates (1 MiB of fp32)
-
-
-@dataclass
-class Bucket:
-    """Trainable params of one group sharing (device, dtype); each state buffer is one flat
-    tensor (``flats[name]``) with one view per param (``views[name]``)."""
-
-    name: str
-    params: list[torch.Tensor]
-    masks: list[torch.Tensor | None]
-    flats: dict[str, torch.Tensor] = field(default_factory=dict)
-    views: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [p.numel() for p in self.params]
-
-    @property
-    def numel(self) -> int:
-        return sum(self.sizes)
-
-    # The two buffers every optimizer of the family has.
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        return self.flats["exp_avg"]
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        return self.flats["exp_avg_sq"]
-
-    @property
-    def m_views(self) -> list[torch.Tensor]:
-        return self.views["exp_avg"]
-
-    @property
-    def v_views(self) -> list[torch.Tensor]:
-        return self.views["exp_avg_sq"]
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
-    """Adam-style hyper-parameters; ``where`` names the optimizer (and group) in errors."""
-    if not _is_number(lr) or not lr >= 0.0:
-        raise ValueError(f"{where}: invalid learning rate {lr!r} (must be a number >= 0)")
-    try:
-        b1, b2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}") from None
-    for i, b in enumerate((b1, b2)):
-        if not _is_number(b) or not 0.0 <= b < 1.0:
-            raise ValueError(f"{where}: invalid beta{i + 1} {b!r} (must be in [0, 1))")
-    if not _is_number(eps) or not eps >= 0.0:
-        raise ValueError(f"{where}: invalid eps {eps!r} (must be >= 0)")
-    if not _is_number(weight_decay) or not weight_decay >= 0.0:
-        raise ValueError(f"{where}: invalid weight_decay {weight_decay!r} (must be >= 0)")
-
-
-def check_step_arg(name: str, value: Any, why: str, minimum: int = 1) -> int:
-    """An int >= ``minimum`` (not a bool), or a ValueError naming ``name`` and ``why``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"invalid {name} {value!r}: expected an int >= {minimum} ({why})")
-    return value
-
-
-def check_range(name: str, value: Any, lo: float, hi: float | None = None,
-                lo_open: bool = False) -> float:
-    """A number in [lo, hi] (or (lo, hi] with ``lo_open``), or a ValueError naming it."""
-    ok = _is_number(value) and math.isfinite(value) and (value > lo if lo_open else value >= lo)
-    if ok and hi is not None:
-        ok = value <= hi
-    if not ok:
-        left = "(" if lo_open else "["
-        right = f"{hi}]" if hi is not None else "inf)"
-        raise ValueError(f"invalid {name} {value!r}: must be a number in {left}{lo}, {right}")
-    return float(value)
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """All tensors nested in dicts/lists/tuples (to count a compressor's error buffers)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v)]
-    return []
+__all__ = ["CHUNK", "Bucket", "CompressedOptimizer", "check_hparams", "check_range", "check_step_arg",
+           "chunks", "tensors_in"]
 
 
 class CompressedOptimizer(Optimizer):
@@ -513,23 +425,7 @@ class CompressedOptimizer(Optimizer):
         self._buckets = []
         self.state.clear()
         self._build_buckets()
-        saved = ob["buckets"]
-        if len(saved) != len(self._buckets) or any(
-            len(s) != len(b) for s, b in zip(saved, self._buckets, strict=True)
-        ):
-            raise ValueError(f"{cls} state_dict does not match these param groups")
-        for s_group, b_group in zip(saved, self._buckets, strict=True):
-            for s, b in zip(s_group, b_group, strict=True):
-                for name, flat in s.items():
-                    if flat.numel() != b.numel:
-                        raise ValueError(
-                            f"{cls} state_dict bucket {b.name} holds {flat.numel()} "
-                            f"elements, these params {b.numel}"
-                        )
-                    target = b.flats.get(name)
-                    if target is None:
-                        target = self._add_flat(b, name)
-                    target.copy_(flat)
+        copy_saved_buckets(ob["buckets"], self._buckets, cls, self._add_flat)
         self._step_count = int(ob["step"])
         self._frozen_at = ob["frozen_at"]
         if hasattr(self, "bias_correction"):
@@ -549,11 +445,3 @@ class CompressedOptimizer(Optimizer):
                     "buffers are dropped",
                     stacklevel=2,
                 )
-
-
-def chunks(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:
-    """Aligned pieces of at most ``CHUNK`` elements of same-shaped tensors (or the whole)."""
-    first = tensors[0]
-    if first.numel() > CHUNK and all(t.is_contiguous() for t in tensors):
-        return zip(*(t.view(-1).split(CHUNK) for t in tensors), strict=True)
-    return iter([tensors])

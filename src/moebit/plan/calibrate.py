@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 from moebit.comm.compressed import OnebitAllreduce
-from moebit.models.gpt import GPT
+from moebit.models.registry import new_model
 from moebit.training.config import TrainConfig, validate
-from moebit.training.loop import autocast, clip_gradients, make_optimizer, param_groups
+from moebit.training.evaluation import autocast
+from moebit.training.grads import clip_gradients
+from moebit.training.setup import make_optimizer, param_groups
 
 
 def _timeit(fn: Any, reps: int, warmup: int = 2) -> float:
@@ -73,7 +75,7 @@ def update_rate(n: int = 1 << 20, reps: int = 5) -> float:
 def _step_worker(cfg: TrainConfig, steps: int, q: Any) -> None:
     torch.set_num_threads(max(1, cfg.threads))
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config())
+    model = new_model(cfg.model_config())
     opt = make_optimizer(cfg, param_groups(model, cfg))
     dev = torch.device("cpu")
     x = torch.randint(0, 256, (cfg.batch_size, cfg.model.block_size))

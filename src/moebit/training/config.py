@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from moebit.models.gpt import GPTConfig
-from moebit.models.hf.config import HFDecoderConfig, read_config  # imports moebit.hf (safetensors)
-from moebit.models.hf.decoder import moe_config_for
+from moebit.models.hf.config import read_config
+from moebit.models.registry import family_of, family_of_folder
 from moebit.moe import MoEConfig
 from moebit.optim import EXACT_OPTIMIZERS, optimizer_names
 
@@ -77,28 +77,27 @@ class TrainConfig:
     max_nan_skips: int = 10  # consecutive skipped steps before the run stops anyway
     resume: bool = False  # set by `moebit train --resume RUN`: continue from its latest checkpoint
     extra: dict[str, Any] = field(default_factory=dict)  # optimizer-specific settings
-    # a Hugging Face model folder to fine-tune (moebit.hf); None trains moebit's GPT
+    # a model folder (a Hugging Face folder) to fine-tune; None trains moebit's GPT from scratch
     init_from: str | None = None
-    # not a key: init_from's config.json as moebit reads it (its sequence length block_size,
-    # its experts sharded ep_size ways), attached by build(); the folder is the source of truth
-    hf: HFDecoderConfig | None = field(default=None, compare=False, repr=False)
+    # not a key: init_from's model config as its family reads it (its sequence length
+    # block_size, its experts sharded ep_size ways), attached by build(); the folder is the
+    # source of truth
+    pretrained: Any = field(default=None, compare=False, repr=False)
 
     @property
     def moe(self) -> MoEConfig | None:
         """The MoE blocks' settings (None for a dense model)."""
-        if self.init_from:
-            hf = self.model_config()
-            return moe_config_for(hf) if hf.is_moe else None
-        return self.model.moe
+        mcfg = self.model_config()
+        return family_of(mcfg).moe(mcfg)
 
-    def model_config(self) -> GPTConfig | HFDecoderConfig:
-        """The GPTConfig, or with ``init_from`` the folder's HFDecoderConfig (``hf``)."""
+    def model_config(self) -> Any:
+        """The model's config: the GPTConfig, or with ``init_from`` the folder's (``pretrained``)."""
         if not self.init_from:
             return self.model
-        if self.hf is None:
-            raise ConfigError("init_from: the Hugging Face config was not read; make the "
-                              "TrainConfig with moebit.training.config.build (or attach_hf_config)")
-        return self.hf
+        if self.pretrained is None:
+            raise ConfigError("init_from: the model folder's config was not read; make the "
+                              "TrainConfig with moebit.training.config.build (or attach_pretrained)")
+        return self.pretrained
 
     def resolved_freeze_step(self) -> int | str | None:
         if self.optimizer in EXACT_OPTIMIZERS:
@@ -136,7 +135,7 @@ def _flat_keys() -> dict[str, tuple[str, str]]:
         if f.name not in _MOE_SKIP:
             keys[_MOE_RENAMES.get(f.name, f.name)] = ("moe", f.name)
     for f in dataclasses.fields(TrainConfig):
-        if f.name not in ("model", "hf"):
+        if f.name not in ("model", "pretrained"):
             keys[f.name] = ("train", f.name)
     return keys
 
@@ -294,20 +293,29 @@ def build(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] |
     except ValueError as e:
         raise ConfigError(str(e)) from None
     cfg = validate(TrainConfig(model=model, **values["train"]))
-    if cfg.init_from:  # ep_size is the HF model's (a dense GPT config would drop it)
-        attach_hf_config(cfg, ep_size=values["moe"].get("ep_size", 1))
+    if cfg.init_from:  # ep_size is the folder model's (a dense GPT config would drop it)
+        attach_pretrained(cfg, ep_size=values["moe"].get("ep_size", 1))
     return cfg
 
 
-def attach_hf_config(cfg: TrainConfig, ep_size: int = 1) -> TrainConfig:
-    """Read ``cfg.init_from``'s config.json into ``cfg.hf``: sequence length ``block_size``,
-    experts sharded ``ep_size`` ways. A bad folder or an over-long block is a ConfigError."""
+def attach_pretrained(cfg: TrainConfig, ep_size: int = 1) -> TrainConfig:
+    """Read ``cfg.init_from``'s model config into ``cfg.pretrained`` through its family:
+    sequence length ``block_size``, experts sharded ``ep_size`` ways. A bad folder or an
+    over-long block is a ConfigError."""
+    folder = Path(str(cfg.init_from))
+    fam = family_of_folder(folder)
     try:
-        hf = read_config(str(cfg.init_from), ep_size=ep_size)
+        if fam is None:
+            # the Hugging Face reader names what is missing (config.json, model_type, weights)
+            mcfg = read_config(folder, ep_size=ep_size)
+            raise ValueError(f"{folder} is not a model folder (config.json with a model_type, "
+                             "and safetensors weights)")
+        mcfg = fam.read_folder_config(folder, ep_size=ep_size)
     except (OSError, ValueError) as e:
         raise ConfigError(f"init_from: {e}") from None
-    if cfg.model.block_size > hf.max_position_embeddings:
+    limit = getattr(mcfg, "max_position_embeddings", None)
+    if limit is not None and cfg.model.block_size > limit:
         raise ConfigError(f"block_size {cfg.model.block_size} exceeds the model's "
-                          f"max_position_embeddings {hf.max_position_embeddings}")
-    cfg.hf = hf.replace(block_size=cfg.model.block_size)
+                          f"max_position_embeddings {limit}")
+    cfg.pretrained = dataclasses.replace(mcfg, block_size=cfg.model.block_size)
     return cfg

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moebit.comm import stats
-from moebit.comm.collectives import DistInfo, broadcast_params_, init_from_env
-from moebit.inference.generate import generate
-from moebit.models.build import build_model
+from moebit.comm.collectives import DistInfo, init_from_env
+from moebit.inference.generate import generate_tokens
 from moebit.models.hf.tokens import TOKENIZER_FILE
-from moebit.models.interface import CausalLM, is_expert_param
-from moebit.moe import split_params_for_ep, update_router_biases_
-from moebit.optim import build_optimizer
+from moebit.models.interface import CausalLM
+from moebit.models.registry import build_model, family_of
+from moebit.moe import update_router_biases_
 from moebit.runs import tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
@@ -46,65 +46,29 @@ from moebit.runs.units import loss_text, loss_unit
 from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig, build
 from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
-from moebit.training.evaluation import autocast, evaluate
+from moebit.training.evaluation import autocast
 from moebit.training.grads import (
     NonFiniteLoss,
     average_for_step,
-    average_gradients,
     clip_gradients,
     nan_stop_reason,
     non_finite,
     report_freeze,
 )
 from moebit.training.hooks import Hooks, Loop
-from moebit.training.meter import Meter, RunTotals
+from moebit.training.meter import Meter
+from moebit.training.setup import (
+    lr_at,
+    make_optimizer,
+    open_metrics,
+    param_groups,
+    resume_or_broadcast,
+    saved_totals,
+    start_record,
+)
 from moebit.training.tokenized import corpus_for_model
 
-# Re-exported: tests and ``moebit eval`` reach them through this module.
-__all__ = ["NonFiniteLoss", "average_gradients", "clip_gradients", "evaluate", "run", "train"]
-
 SAMPLE_PROMPTS = ["def ", "import ", "class ", "    return "]
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr_ratio * cfg.lr
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-def param_groups(model: CausalLM, cfg: TrainConfig | None = None) -> list[dict[str, Any]]:
-    """One group for data-parallel parameters; with expert parallelism the experts get
-    their own group, averaged over the expert-data-parallel group only."""
-    if model.ep_groups is not None:
-        return split_params_for_ep(model)  # type: ignore[arg-type]
-    return [{"params": [p for p in model.parameters() if p.requires_grad]}]  # type: ignore[attr-defined]
-
-
-def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    return build_optimizer(
-        cfg.optimizer,
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        freeze_step=cfg.resolved_freeze_step(),
-        **cfg.extra,
-    )
-
-
-def broadcast_model(model: CausalLM) -> None:
-    """Rank 0's initial weights everywhere; each expert from its expert-data-parallel root."""
-    ep = model.ep_groups
-    if ep is None:
-        broadcast_params_(model)  # type: ignore[arg-type]
-    else:
-        broadcast_params_(model, expert_dp_group=ep.expert_dp_group,  # type: ignore[arg-type]
-                          expert_src=ep.expert_dp_ranks[0], is_expert=is_expert_param)
 
 
 def emit(log: MetricsWriter | None, trackers: list[tracking.Tracker], rec: dict[str, Any]) -> None:
@@ -113,50 +77,6 @@ def emit(log: MetricsWriter | None, trackers: list[tracking.Tracker], rec: dict[
     if log is not None:
         log.emit(rec)  # one whole line per write: a crash never leaves half a record
     tracking.log_record(trackers, rec)
-
-
-def open_metrics(run_dir: Path, info: DistInfo, resumed_at: int | None) -> MetricsWriter | None:
-    """Rank 0's metrics log, with the records after a resumed checkpoint dropped."""
-    if not info.is_main:
-        return None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resumed_at is not None:
-        ckpt_io.trim_metrics(run_dir / "metrics.jsonl", resumed_at)
-    return MetricsWriter(run_dir / "metrics.jsonl")
-
-
-def resume_or_broadcast(run_dir: Path, model: CausalLM, opt: torch.optim.Optimizer,
-                        batches: TrainBatches, info: DistInfo, cfg: TrainConfig
-                        ) -> ckpt_io.Resumed | None:
-    """Continue from the newest checkpoint (``--resume``, or torchrun restarted the ranks),
-    else start every rank from rank 0's weights. A restart before the first checkpoint
-    starts over."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    resumed = None
-    if cfg.resume or restarted:
-        resumed = ckpt_io.restore(run_dir, model, opt, batches, info, cfg)  # type: ignore[arg-type]
-    if resumed is None:
-        broadcast_model(model)
-    return resumed
-
-
-def saved_totals(resumed: ckpt_io.Resumed | None, tokens_per_step: int) -> RunTotals:
-    """The counters of the attempts before this one (none for a fresh run)."""
-    if resumed is None:
-        return RunTotals()
-    if "totals" in resumed.run_state:
-        return RunTotals.from_dict(resumed.run_state["totals"])
-    # A checkpoint older than the counters: its time and steps are known, its bytes not.
-    return RunTotals(train_time=resumed.train_time, steps_trained=resumed.step,
-                     tokens=resumed.step * tokens_per_step)
-
-
-def start_record(cfg: TrainConfig, info: DistInfo, model: CausalLM, corpus: Any) -> dict[str, Any]:
-    return {"kind": "start", "n_params": model.num_params(), "world_size": info.world_size,
-            "n_expert_params": model.num_expert_params(),
-            "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
-            "corpus": corpus.source, "train_bytes": len(corpus.train),
-            "val_bytes": len(corpus.val), "threads": torch.get_num_threads()}
 
 
 def end_record(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer, meter: Meter,
@@ -181,18 +101,54 @@ def progress(info: DistInfo, label: str, steps: int, first: int) -> tqdm | None:
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None = None
-          ) -> dict[str, Any]:
-    """Train on this rank from the config (or resume), and return the ``end`` record."""
-    hooks = hooks or Hooks()
+def samples(cfg: TrainConfig, model: CausalLM) -> list[str]:
+    """A few continuations of code-like prompts, through the model's own tokenizer."""
+    tok = family_of(cfg.model_config()).tokenizer(Path(cfg.init_from) if cfg.init_from else None)
+    prompts = SAMPLE_PROMPTS[: cfg.samples]
+    # every rank decodes every prompt (in lockstep under expert parallelism): a prompt's
+    # text does not depend on the rank, and no rank is left without rows
+    res = generate_tokens(model, [tok.encode(p) for p in prompts], max_new_tokens=120,
+                          seed=cfg.seed, shard=False)
+    return [p + tok.decode(ids) for p, ids in zip(prompts, res.tokens, strict=True)]
+
+
+@dataclass
+class Run:
+    """One rank's training, as the phases below share it."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    info: DistInfo
+    hooks: Hooks
+    model: CausalLM
+    opt: torch.optim.Optimizer
+    batches: TrainBatches
+    loop: Loop
+    meter: Meter
+    say: Callable[[dict[str, Any]], None]
+    log: MetricsWriter | None
+    trackers: list[tracking.Tracker]
+    entropy: float
+    first_step: int
+    t_start: float
+    bar: tqdm | None = None
+    val_loss: float = float("nan")
+    nan_streak: int = 0
+    postfix: dict[str, str] = field(default_factory=dict)
+    unit: dict[str, Any] = field(default_factory=dict)  # the loss's unit (moebit.runs.units)
+
+
+def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
+    """Data, model, optimizer, then the checkpoint to resume (or rank 0's weights), the
+    metrics log and the first record."""
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
-    unit = loss_unit(len(corpus.val), len(corpus.val), None)
-    if cfg.init_from:  # a Hugging Face model trains on its tokenizer's ids
-        text = corpus
-        corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
-        if corpus is not text:  # per token of that tokenizer; bits/byte from the val text
-            unit = loss_unit(len(text.val), len(corpus.val), str(Path(cfg.init_from) / TOKENIZER_FILE))
+    # a model from a folder trains on its tokenizer's ids; moebit's GPT on bytes
+    text = corpus
+    corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
+    # the loss is per token of that tokenizer then; bits/byte come from the val text
+    unit = loss_unit(len(text.val), len(corpus.val), None if corpus is text else
+                     str(Path(str(cfg.init_from)) / TOKENIZER_FILE))
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
@@ -202,11 +158,9 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
     vbatches = val_batches(corpus.val, block, cfg.batch_size, cfg.eval_batches, cfg.seed)
     comm_origin = stats.snapshot()  # the run's traffic counts from here, broadcast included
     resumed = resume_or_broadcast(run_dir, model, opt, batches, info, cfg)
-    state = resumed.run_state if resumed else {}
-    hooks.load_state_dict(state.get("hooks", {}))
+    hooks.load_state_dict((resumed.run_state if resumed else {}).get("hooks", {}))
     first_step = resumed.step if resumed else 0
     tokens_per_step = cfg.batch_size * block * info.world_size
-    totals = saved_totals(resumed, tokens_per_step)
     log = open_metrics(run_dir, info, first_step if resumed else None)
     trackers = tracking.open_trackers(cfg, run_dir, info.rank)
     say: Callable[[dict[str, Any]], None] = partial(emit, log, trackers)
@@ -216,104 +170,138 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
              "world_size": info.world_size, "resharded": resumed.resharded})
     else:
         say({**start_record(cfg, info, model, corpus), **hooks.start(loop)})
-    bar = progress(info, hooks.label, cfg.steps, first_step)
-    t_start = time.perf_counter() - (resumed.wall if resumed else 0.0)
-    meter = Meter(tokens_per_step, totals, model.num_expert_params() > 0, comm_origin)
-    val_loss = float("nan")
-    postfix: dict[str, str] = {}
-    nan_streak = 0
-    model.train()
-    for step in range(first_step, cfg.steps):
-        hooks.before_step(loop, step)
-        t0 = time.perf_counter()
-        lr = lr_at(cfg, step)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = batches.next()
-        x, y = x.to(info.device), y.to(info.device)
-        with autocast(cfg.dtype, info.device):
-            out = model(x, y)
-        loss = out.loss + out.aux_loss
-        term = hooks.extra_loss((x, y), out)
-        extra: dict[str, float] = {}
-        if term is not None:
-            loss, extra = loss + term[0], term[1]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        averaged = average_for_step(opt)
-        norm = clip_gradients(model, cfg.grad_clip)  # type: ignore[arg-type]
-        loss_value = float(out.loss.detach())
-        # Every rank reaches the same verdict: a lone rank that stops or skips would leave
-        # the others blocked in the next collective until the process-group timeout.
-        if non_finite(loss_value, norm, averaged):
-            nan_streak += 1
-            meter.nan_skipped += 1
-            say({"kind": "nan", "step": step + 1, "loss": loss_value, "grad_norm": norm,
-                 "action": cfg.on_nan})
-            why = nan_stop_reason(cfg.on_nan, nan_streak, cfg.max_nan_skips)
-            if why is not None:
-                raise NonFiniteLoss(
-                    f"non-finite loss or gradient at step {step + 1} on some rank (this rank: "
-                    f"loss={loss_value}, grad norm={norm}); stopping: {why}")
-            opt.zero_grad(set_to_none=True)  # nothing of this step reaches the optimizer
-        else:
-            nan_streak = 0
-            was_frozen = getattr(opt, "frozen_at", None) is not None
-            opt.step()
-            if cfg.moe and cfg.moe.bias_update_speed > 0:
-                update_router_biases_(model)  # aux-loss-free balancing: loads summed over the world
-            clipped = cfg.grad_clip > 0 and norm > cfg.grad_clip
-            meter.step(time.perf_counter() - t0, loss_value, float(out.aux_loss.detach()), norm,
-                       clipped, extra, out.ffn_outputs)
-            if not was_frozen and getattr(opt, "frozen_at", None) is not None:
-                report_freeze(say, opt, step + 1, meter.clipped_steps / meter.steps_trained,
-                              info.rank)
-        last = step == cfg.steps - 1
-        if meter.win.n and ((step + 1) % cfg.log_every == 0 or last):
-            rec = meter.train_record(step + 1, lr, time.perf_counter() - t_start, opt)
-            say(rec)
-            postfix.update(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                           MB_sent=f"{rec['bytes_sent'] / 1e6:.1f}")
-            postfix.update({k: f"{rec[k]:.3f}" for k in extra if k in rec})
-        if last and hasattr(opt, "synchronize"):
-            # 0/1 Adam's replicas drift between syncs: the run ends on one agreed model.
-            # Earlier evaluations use each rank's own replica (rank 0's is logged), so that
-            # evaluating or saving never changes the trajectory and resumes stay exact.
-            opt.synchronize()
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            # Before this step's evaluation: the counters saved cover the steps up to the
-            # checkpoint, so a resumed run counts what the straight run counts.
-            ckpt_io.save(run_dir, step + 1, model, opt, batches, info, cfg,  # type: ignore[arg-type]
-                         wall=time.perf_counter() - t_start, train_time=meter.train_time,
-                         run_state={"totals": meter.totals().to_dict(),
-                                    "hooks": hooks.state_dict()})
-        if (step + 1) % cfg.eval_every == 0 or last:
-            val_loss = loop.validate()
-            say({"kind": "eval", "step": step + 1, "val_loss": val_loss,
-                 "wall": time.perf_counter() - t_start, "train_time": meter.train_time,
-                 "bytes_sent": meter.totals().bytes_sent,
-                 **hooks.evaluated(loop, step + 1, val_loss)})
-            postfix["val"] = f"{val_loss:.3f}"
-        if bar is not None:
-            bar.set_postfix(postfix, refresh=False)
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if math.isnan(val_loss):  # resumed at the very end
-        val_loss = loop.validate()
-    summary = end_record(cfg, model, opt, meter, val_loss, time.perf_counter() - t_start,
-                         corpus.unigram_entropy())
-    summary.update(unit)
-    summary.update(hooks.end(loop, summary))
-    if cfg.samples and not cfg.init_from:  # byte prompts: moebit's GPT only
-        texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
-        summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]
-    say(summary)
-    tracking.close_trackers(trackers)
-    if log is not None:
-        log.close()
-        plot_runs([run_dir], run_dir)
+    meter = Meter(tokens_per_step, saved_totals(resumed, tokens_per_step),
+                  model.num_expert_params() > 0, comm_origin)
+    return Run(cfg, run_dir, info, hooks, model, opt, batches, loop, meter, say, log, trackers,
+               corpus.unigram_entropy(), first_step,
+               time.perf_counter() - (resumed.wall if resumed else 0.0),
+               progress(info, hooks.label, cfg.steps, first_step), unit=unit)
+
+
+def step_once(r: Run, step: int) -> None:
+    """One optimizer step: forward, backward, gradient exchange, clipping, and either the
+    update or (a non-finite loss or gradient on any rank) a skipped step."""
+    cfg, info, opt = r.cfg, r.info, r.opt
+    r.hooks.before_step(r.loop, step)
+    t0 = time.perf_counter()
+    lr = lr_at(cfg, step)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    x, y = r.batches.next()
+    x, y = x.to(info.device), y.to(info.device)
+    with autocast(cfg.dtype, info.device):
+        out = r.model(x, y)
+    loss = out.loss + out.aux_loss
+    term = r.hooks.extra_loss((x, y), out)
+    extra: dict[str, float] = {}
+    if term is not None:
+        loss, extra = loss + term[0], term[1]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    averaged = average_for_step(opt)
+    norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
+    loss_value = float(out.loss.detach())
+    # Every rank reaches the same verdict: a lone rank that stops or skips would leave
+    # the others blocked in the next collective until the process-group timeout.
+    if non_finite(loss_value, norm, averaged):
+        skip_step(r, step, loss_value, norm)
+    else:
+        r.nan_streak = 0
+        was_frozen = getattr(opt, "frozen_at", None) is not None
+        opt.step()
+        if cfg.moe and cfg.moe.bias_update_speed > 0:
+            update_router_biases_(r.model)  # aux-loss-free balancing: loads summed over the world
+        clipped = cfg.grad_clip > 0 and norm > cfg.grad_clip
+        r.meter.step(time.perf_counter() - t0, loss_value, float(out.aux_loss.detach()), norm,
+                     clipped, extra, out.ffn_outputs)
+        if not was_frozen and getattr(opt, "frozen_at", None) is not None:
+            report_freeze(r.say, opt, step + 1, r.meter.clipped_steps / r.meter.steps_trained,
+                          info.rank)
+    log_step(r, step, lr, extra)
+
+
+def skip_step(r: Run, step: int, loss_value: float, norm: float) -> None:
+    """A non-finite step: recorded, skipped (nothing reaches the optimizer), or the run
+    stops when ``on_nan`` says so or too many came in a row."""
+    r.nan_streak += 1
+    r.meter.nan_skipped += 1
+    r.say({"kind": "nan", "step": step + 1, "loss": loss_value, "grad_norm": norm,
+           "action": r.cfg.on_nan})
+    why = nan_stop_reason(r.cfg.on_nan, r.nan_streak, r.cfg.max_nan_skips)
+    if why is not None:
+        raise NonFiniteLoss(
+            f"non-finite loss or gradient at step {step + 1} on some rank (this rank: "
+            f"loss={loss_value}, grad norm={norm}); stopping: {why}")
+    r.opt.zero_grad(set_to_none=True)
+
+
+def log_step(r: Run, step: int, lr: float, extra: dict[str, float]) -> None:
+    last = step == r.cfg.steps - 1
+    if r.meter.win.n and ((step + 1) % r.cfg.log_every == 0 or last):
+        rec = r.meter.train_record(step + 1, lr, time.perf_counter() - r.t_start, r.opt)
+        r.say(rec)
+        r.postfix.update(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                         MB_sent=f"{rec['bytes_sent'] / 1e6:.1f}")
+        r.postfix.update({k: f"{rec[k]:.3f}" for k in extra if k in rec})
+
+
+def save_and_evaluate(r: Run, step: int) -> None:
+    """The end-of-step duties: the final agreement of replicas, checkpoints, evaluation."""
+    cfg = r.cfg
+    last = step == cfg.steps - 1
+    if last and hasattr(r.opt, "synchronize"):
+        # 0/1 Adam's replicas drift between syncs: the run ends on one agreed model.
+        # Earlier evaluations use each rank's own replica (rank 0's is logged), so that
+        # evaluating or saving never changes the trajectory and resumes stay exact.
+        r.opt.synchronize()
+    if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        # Before this step's evaluation: the counters saved cover the steps up to the
+        # checkpoint, so a resumed run counts what the straight run counts.
+        ckpt_io.save(r.run_dir, step + 1, r.model, r.opt, r.batches, r.info, cfg,  # type: ignore[arg-type]
+                     wall=time.perf_counter() - r.t_start, train_time=r.meter.train_time,
+                     run_state={"totals": r.meter.totals().to_dict(),
+                                "hooks": r.hooks.state_dict()})
+    if (step + 1) % cfg.eval_every == 0 or last:
+        r.val_loss = r.loop.validate()
+        r.say({"kind": "eval", "step": step + 1, "val_loss": r.val_loss,
+               "wall": time.perf_counter() - r.t_start, "train_time": r.meter.train_time,
+               "bytes_sent": r.meter.totals().bytes_sent,
+               **r.hooks.evaluated(r.loop, step + 1, r.val_loss)})
+        r.postfix["val"] = f"{r.val_loss:.3f}"
+    if r.bar is not None:
+        r.bar.set_postfix(r.postfix, refresh=False)
+        r.bar.update(1)
+
+
+def finish(r: Run) -> dict[str, Any]:
+    """The end record (with samples), the trackers and the plots."""
+    if r.bar is not None:
+        r.bar.close()
+    if math.isnan(r.val_loss):  # resumed at the very end
+        r.val_loss = r.loop.validate()
+    summary = end_record(r.cfg, r.model, r.opt, r.meter, r.val_loss,
+                         time.perf_counter() - r.t_start, r.entropy)
+    summary.update(r.unit)
+    summary.update(r.hooks.end(r.loop, summary))
+    if r.cfg.samples:
+        summary["samples"] = samples(r.cfg, r.model)
+    r.say(summary)
+    tracking.close_trackers(r.trackers)
+    if r.log is not None:
+        r.log.close()
+        plot_runs([r.run_dir], r.run_dir)
     return summary
+
+
+def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None = None
+          ) -> dict[str, Any]:
+    """Train on this rank from the config (or resume), and return the ``end`` record."""
+    r = start(cfg, run_dir, info, hooks or Hooks())
+    r.model.train()  # type: ignore[attr-defined]
+    for step in range(r.first_step, cfg.steps):
+        step_once(r, step)
+        save_and_evaluate(r, step)
+    return finish(r)
 
 
 def run(cfg: TrainConfig, run_dir: Path,

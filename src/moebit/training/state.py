@@ -42,7 +42,7 @@ from moebit.checkpoint.files import (
 )
 from moebit.checkpoint.weights import expert_names, load_model_weights, regatherer
 from moebit.comm.collectives import DistInfo
-from moebit.models.gpt import GPTConfig
+from moebit.models.registry import family_of_dict
 from moebit.runs import metrics
 from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
@@ -145,27 +145,21 @@ def _save(d: Path, run_dir: Path, step: int, model: torch.nn.Module, opt: torch.
     return d
 
 
-def _without_ep(d: dict[str, Any]) -> dict[str, Any]:
-    out = dict(d)
-    out["moe"] = {k: v for k, v in (d.get("moe") or {}).items() if k != "ep_size"}
-    return out
-
-
 def check_model_config(manifest: dict[str, Any], now: dict[str, Any], where: Path) -> None:
     """Everything but the expert-parallel degree must match; that one may change (resharding).
 
-    Both sides go through GPTConfig first, so a manifest written before a setting existed
-    (it then holds its default) still matches.
+    Both sides are read by their family first, so a manifest written before a setting
+    existed (it then holds its default) still matches.
     """
-    if "model_type" in now or "model_type" in manifest["model_config"]:  # a Hugging Face family
-        saved = {k: v for k, v in manifest["model_config"].items() if k != "ep_size"}
-        now = {k: v for k, v in now.items() if k != "ep_size"}
-    else:
-        try:
-            saved = GPTConfig(**manifest["model_config"]).to_dict()
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where} holds another model type: {e}") from None
-        saved, now = _without_ep(saved), _without_ep(GPTConfig(**now).to_dict())
+    try:
+        fam = family_of_dict(now)
+        saved_fam = family_of_dict(manifest["model_config"], str(where))
+        if saved_fam.name != fam.name:
+            raise ValueError(f"a {saved_fam.name} model, this run trains a {fam.name} model")
+        saved = fam.with_ep_size(fam.config_from_dict(manifest["model_config"]), 1).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} holds another model type: {e}") from None
+    now = fam.with_ep_size(fam.config_from_dict(now), 1).to_dict()
     diff = [k for k in now if saved.get(k) != now[k]]
     if diff:
         parts = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diff)

@@ -72,9 +72,12 @@ def cache_dir_default() -> Path:
     return Path(base) / "moebit" / "tokens"
 
 
-def corpus_for_model(corpus: Corpus, model_dir: str | Path, vocab_size: int) -> Corpus:
-    """A Hugging Face model's training corpus: ids of its tokenizer.json when it has one,
-    else the raw bytes (only where the vocabulary covers all 256 byte values)."""
+def corpus_for_model(corpus: Corpus, model_dir: str | Path | None, vocab_size: int) -> Corpus:
+    """A model's training corpus: ids of its folder's tokenizer.json when it has one, else
+    the raw bytes (only where the vocabulary covers all 256 byte values); a model with no
+    folder (moebit's GPT) reads bytes."""
+    if model_dir is None:
+        return corpus
     if (Path(model_dir) / TOKENIZER_FILE).is_file():
         return tokenize_corpus(corpus, model_dir, cache_dir_default())
     if vocab_size < 256:

@@ -7,7 +7,8 @@ are copies of that layer's dense MLP (optionally with Gaussian noise) and its ro
 N(0, router_std), near zero. With renormalised top-k weights (Mixtral always;
 ``norm_topk_prob`` on the others, the default here) a token's k weights sum to 1 and
 identical experts give back the dense MLP's output, so the upcycled model computes what the
-dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it.
+dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it. The
+algorithm is ``moebit.upcycle.core``; this front end maps the Hugging Face names.
 
 The output is an ordinary Hugging Face folder: the MoE family's ``config.json`` and sharded
 safetensors in the per-expert layout that transformers' ``save_pretrained`` writes (shard
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,13 @@ from safetensors.torch import save_file
 from moebit.models.hf.config import FAMILIES, HFDecoderConfig
 from moebit.models.hf.folder import copy_side_files
 from moebit.models.hf.weights import INDEX, SafetensorsFolder
+from moebit.upcycle.core import (
+    ExpertCopier,
+    check_experts,
+    check_noise,
+    starts_at_dense,
+    warn_unless_dense,
+)
 
 # dense family -> the MoE family it upcycles into (same attention, norms and RoPE)
 SIBLINGS = {"llama": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "olmo2": "flex_olmo"}
@@ -84,14 +91,8 @@ def moe_family_of(dense_hf: dict[str, Any]) -> str:
 
 
 def _check_spec(spec: HFUpcycleSpec, family: str, n_layers: int) -> None:
-    e, k = spec.num_experts, spec.num_experts_per_tok
-    if e < 1 or k < 1:
-        raise ValueError(f"upcycle: num_experts ({e}) and num_experts_per_tok ({k}) must be >= 1")
-    if e < k:
-        raise ValueError(f"upcycle: num_experts = {e} < num_experts_per_tok = {k}: a token "
-                         "cannot pick more experts than there are")
-    if spec.noise_std < 0 or spec.router_std < 0:
-        raise ValueError("upcycle: noise_std and router_std must be >= 0")
+    check_experts(spec.num_experts, spec.num_experts_per_tok)
+    check_noise(spec.noise_std, spec.router_std)
     if spec.moe_every < 1:
         raise ValueError(f"upcycle: moe_every must be >= 1, got {spec.moe_every}")
     bad = [i for i in spec.mlp_only_layers if not 0 <= i < n_layers]
@@ -136,14 +137,18 @@ def moe_config_json(dense_hf: dict[str, Any], spec: HFUpcycleSpec) -> dict[str, 
     return out
 
 
+def weights_sum_to_one(spec: HFUpcycleSpec, family: str) -> bool:
+    """Whether a token's k weights sum to 1: renormalised top-k (Mixtral always)."""
+    return family == "mixtral" or spec.norm_topk_prob
+
+
 def preserves_dense_output(spec: HFUpcycleSpec, family: str) -> bool:
-    """Whether the upcycled model computes the dense one's outputs: the k weights sum to 1
-    (renormalised top-k) and no noise makes the experts differ."""
-    return (family == "mixtral" or spec.norm_topk_prob) and spec.noise_std == 0
+    """Whether the upcycled model computes the dense one's outputs."""
+    return starts_at_dense(weights_sum_to_one(spec, family), spec.noise_std)
 
 
 def _moe_layer_tensors(src: SafetensorsFolder, cfg: HFDecoderConfig, layer: int,
-                       spec: HFUpcycleSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+                       copier: ExpertCopier) -> dict[str, torch.Tensor]:
     """One MoE layer's router, experts (copies of the dense MLP) and shared expert."""
     dense = {}
     for n in _DENSE_MLP:
@@ -162,14 +167,12 @@ def _moe_layer_tensors(src: SafetensorsFolder, cfg: HFDecoderConfig, layer: int,
     names = _EXPERT_NAMES.get(cfg.model_type, _DEFAULT_EXPERT_NAMES)
     scale = {"down_proj": 0.5} if cfg.shared_expert_intermediate_size else {}
     dtype = dense["gate_proj"].dtype
-    out = {f"{prefix}.gate.weight": (spec.router_std * torch.randn(
-        cfg.num_experts, h, generator=gen)).to(dtype)}
+    out = {f"{prefix}.gate.weight": copier.router((cfg.num_experts, h), dtype)}
+    stacked = {n: copier.experts((dense[n].float() * scale.get(n, 1.0)).to(dtype), cfg.num_experts)
+               for n in _DENSE_MLP}
     for e in range(cfg.num_experts):
         for n, hf_n in zip(_DENSE_MLP, names, strict=True):
-            w = dense[n].float() * scale.get(n, 1.0)
-            if spec.noise_std:
-                w = w + spec.noise_std * torch.randn(w.shape, generator=gen)
-            out[f"{prefix}.experts.{e}.{hf_n}.weight"] = w.to(dtype).contiguous()
+            out[f"{prefix}.experts.{e}.{hf_n}.weight"] = stacked[n][e].contiguous()
     if cfg.model_type == "qwen2_moe":
         shared = cfg.shared_expert_intermediate_size
         for n in _DENSE_MLP:
@@ -184,9 +187,9 @@ def _shards(src: SafetensorsFolder, cfg: HFDecoderConfig, spec: HFUpcycleSpec
     """Shard 1: every source tensor but the MoE layers' dense MLPs; then one per MoE layer."""
     consumed = {f"model.layers.{i}.mlp.{n}.weight" for i in cfg.moe_layers for n in _DENSE_MLP}
     yield {name: src.read(name) for name in sorted(src.where) if name not in consumed}
-    gen = torch.Generator().manual_seed(spec.seed)
+    copier = ExpertCopier(spec.noise_std, spec.router_std, spec.seed)
     for layer in cfg.moe_layers:
-        yield _moe_layer_tensors(src, cfg, layer, spec, gen)
+        yield _moe_layer_tensors(src, cfg, layer, copier)
 
 
 def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
@@ -203,10 +206,7 @@ def upcycle_hf(src: str | Path, out: str | Path, spec: HFUpcycleSpec) -> Path:
                          f"{spec.mlp_only_layers} leave no MoE layer in {cfg.num_layers} layers")
     if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):
         raise ValueError(f"upcycle: the output folder {out} is not empty: pick a new one")
-    if not preserves_dense_output(spec, cfg.model_type):
-        warnings.warn("upcycle: the top-k weights do not sum to 1 (norm_topk_prob off) or the "
-                      "experts are noised: the upcycled model starts away from the dense "
-                      "model's outputs; see docs/moe-routing.md", stacklevel=2)
+    warn_unless_dense(weights_sum_to_one(spec, cfg.model_type), spec.noise_std)
     # written next to ``out`` and renamed at the end: an interrupted upcycle leaves no
     # folder that looks like a complete model (or blocks the next try)
     tmp = out.parent / f".{out.name}.upcycle-tmp"

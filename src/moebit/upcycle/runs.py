@@ -1,17 +1,13 @@
-"""Sparse upcycling (Komatsuzaki et al. 2022): a dense checkpoint becomes an MoE one.
+"""Sparse upcycling of a moebit run: a dense checkpoint becomes an MoE one.
 
-Every expert of an MoE block starts as a copy of that block's dense MLP (plus optional
-Gaussian noise on the weight matrices, so that the experts can drift apart sooner), and
-the router starts near zero, so its top-k weights are nearly uniform. Where the k weights
-of a token sum to 1 (k >= 2 with ``norm_topk_prob``, or top-k-then-softmax at any k) and
-no token is dropped, the upcycled model computes exactly what the dense one did; training
-then continues from the dense model's loss instead of from scratch.
-
-The result is an ordinary run folder: config.json (the dense run's settings with the MoE
-ones) and a complete checkpoint at the dense run's step, whose shards carry the dense
-run's data-stream position and RNG state and a fresh optimizer state (the dense moments
-do not fit the new parameters). ``moebit train --resume OUT --steps N`` continues it: N
-counts the dense steps too, so the learning-rate schedule resumes where it stood at N.
+The algorithm is ``moebit.upcycle.core`` (experts copy the dense MLP, routers start near
+zero); this front end maps moebit's GPT names and layouts (experts stacked [E, d, f], the
+dense Linear's weight [f, d]) and writes the result as an ordinary run folder: config.json
+(the dense run's settings with the MoE ones) and a complete checkpoint at the dense run's
+step, whose shards carry the dense run's data-stream position and RNG state and a fresh
+optimizer state (the dense moments do not fit the new parameters). ``moebit train
+--resume OUT --steps N`` continues it: N counts the dense steps too, so the learning-rate
+schedule resumes where it stood at N.
 
     upcycle("runs/dense", "runs/moe", num_experts=8, settings={"num_experts_per_tok": 2})
 """
@@ -19,7 +15,6 @@ counts the dense steps too, so the learning-rate schedule resumes where it stood
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +33,13 @@ from moebit.checkpoint import (
     write_text_atomic,
 )
 from moebit.inference.loading import model_config_of, resolve_checkpoint
-from moebit.models.gpt import GPT, GPTConfig, moe_config_for
+from moebit.models.gpt import GPTConfig, moe_config_for
+from moebit.models.gpt_family import GPT_FAMILY
+from moebit.models.interface import CausalLM
 from moebit.training.config import TrainConfig, build
-from moebit.training.loop import make_optimizer, param_groups
+from moebit.training.setup import make_optimizer, param_groups
 from moebit.training.state import optimizer_state
+from moebit.upcycle.core import ExpertCopier, warn_unless_dense
 
 # Expert tensor -> (dense MLP tensor, transpose?): Experts hold x @ w1 [d, f], the dense
 # Linear holds weight [f, d].
@@ -51,7 +49,7 @@ _NOISY = ("w1", "w2")  # noise goes on the weight matrices, not on the biases
 
 
 def _expert_copies(dense: dict[str, torch.Tensor], src: str, template: dict[str, torch.Tensor],
-                   dst: str, noise_std: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
+                   dst: str, copier: ExpertCopier) -> dict[str, torch.Tensor]:
     """The expert tensors under ``dst`` (``...experts.``), each a copy of the dense MLP."""
     out = {}
     for key in (k for k in template if k.startswith(dst)):
@@ -66,10 +64,7 @@ def _expert_copies(dense: dict[str, torch.Tensor], src: str, template: dict[str,
         if tuple(w.shape) != tuple(shape[1:]):
             raise ValueError(f"upcycle: {src + dense_key} {tuple(w.shape)} does not fit {key} "
                              f"{tuple(shape)}")
-        copies = w.unsqueeze(0).expand(shape).clone()
-        if noise_std > 0 and name in _NOISY:
-            copies += noise_std * torch.randn(shape, generator=gen, dtype=copies.dtype)
-        out[key] = copies
+        out[key] = copier.experts(w, shape[0], noisy=name in _NOISY)
     return out
 
 
@@ -84,8 +79,8 @@ def upcycle_state_dict(dense: dict[str, torch.Tensor], cfg: GPTConfig, *, noise_
     """
     if not cfg.is_moe:
         raise ValueError("upcycle: the target config has no MoE blocks (num_experts is 0)")
-    gen = torch.Generator().manual_seed(seed)
-    template = GPT(cfg).state_dict()
+    copier = ExpertCopier(noise_std, router_std, seed)
+    template = GPT_FAMILY.build(cfg, device="meta").state_dict()  # names and shapes only
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for layer in cfg.moe_layers():
@@ -94,15 +89,15 @@ def upcycle_state_dict(dense: dict[str, torch.Tensor], cfg: GPTConfig, *, noise_
         if moe != ffn:  # Residual MoE: the dense branch is the MLP itself, mixed 50/50
             for name in ("fc.weight", "fc.bias", "proj.weight", "proj.bias"):
                 out[ffn + "mlp." + name] = dense[src + name].clone()
-            out[ffn + "coef.weight"] = torch.zeros_like(template[ffn + "coef.weight"])
-            out[ffn + "coef.bias"] = torch.zeros_like(template[ffn + "coef.bias"])
-        out.update(_expert_copies(dense, src, template, moe + "experts.", noise_std, gen))
+            for name in ("coef.weight", "coef.bias"):
+                out[ffn + name] = torch.zeros(template[ffn + name].shape,
+                                              dtype=template[ffn + name].dtype)
+        out.update(_expert_copies(dense, src, template, moe + "experts.", copier))
         router = template[moe + "gate.router.weight"]
-        out[moe + "gate.router.weight"] = router_std * torch.randn(
-            router.shape, generator=gen, dtype=router.dtype)
-        if moe + "gate.e_score_correction_bias" in template:
-            out[moe + "gate.e_score_correction_bias"] = torch.zeros_like(
-                template[moe + "gate.e_score_correction_bias"])
+        out[moe + "gate.router.weight"] = copier.router(tuple(router.shape), router.dtype)
+        bias = template.get(moe + "gate.e_score_correction_bias")
+        if bias is not None:
+            out[moe + "gate.e_score_correction_bias"] = torch.zeros(bias.shape, dtype=bias.dtype)
         used.update(src + n for n in ("fc.weight", "fc.bias", "proj.weight", "proj.bias"))
     for key, t in template.items():
         if key in out:
@@ -141,7 +136,7 @@ def upcycled_config(dense_cfg: dict[str, Any], num_experts: int | list[int],
     return build(values, source="upcycle settings")
 
 
-def _fresh_shard(model: GPT, cfg: TrainConfig, dense_shard: dict[str, Any],
+def _fresh_shard(model: CausalLM, cfg: TrainConfig, dense_shard: dict[str, Any],
                  state: dict[str, torch.Tensor]) -> dict[str, Any]:
     opt = make_optimizer(cfg, param_groups(model, cfg))
     name_of = {id(p): n for n, p in model.named_parameters()}
@@ -167,15 +162,12 @@ def upcycle(run: str | Path, out: str | Path, num_experts: int | list[int], *,
         raise ValueError(f"upcycle: --run-dir {str(out)!r} already holds a run: pick another folder")
     cfg = upcycled_config(manifest["config"], num_experts, moe_every, settings, out)
     gcfg = cfg.model_config()
-    if not weights_sum_to_one(gcfg):
-        warnings.warn("upcycle: the top-k gate weights do not sum to 1 (k = 1 with softmax "
-                      "before top-k, or routed_scaling_factor != 1): the MoE blocks start at a "
-                      "fraction of the dense output; see docs/moe-routing.md", stacklevel=2)
+    warn_unless_dense(weights_sum_to_one(gcfg), noise_std)
     verify(d, manifest)
     shards = [load_file(d / shard_name(r)) for r in range(manifest["world_size"])]
     state = upcycle_state_dict(shards[0]["model"], gcfg, noise_std=noise_std,
                                router_std=router_std, seed=seed)
-    model = GPT(gcfg)
+    model = GPT_FAMILY.build(gcfg)
     model.load_state_dict(state)  # strict: every tensor present and of the right shape
     step = int(manifest["step"])
     new = step_dir(out, step)

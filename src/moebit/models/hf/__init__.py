@@ -55,7 +55,7 @@ def build_empty(cfg: HFDecoderConfig, dtype: torch.dtype = torch.float32) -> HFD
     return model.to(dtype)
 
 
-def _dtype_of(dtype: torch.dtype | str | None, cfg: HFDecoderConfig) -> torch.dtype:
+def dtype_of(dtype: torch.dtype | str | None, cfg: HFDecoderConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:
@@ -79,7 +79,7 @@ def from_pretrained(path: str | Path, ep_size: int = 1, rank: int = 0,
     cfg = read_config(path, ep_size)
     if ep_size > 1 and collectives.rank() != rank:
         raise ValueError(f"rank = {rank} but this process is rank {collectives.rank()}")
-    model = build_empty(cfg, _dtype_of(dtype, cfg))
+    model = build_empty(cfg, dtype_of(dtype, cfg))
     load_hf_weights(model, path)
     return model.eval()
 
