@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moebit.checkpoint import CheckpointError
+from moebit.models.hf.folder import looks_like_hf_folder
 from moebit.models.registry import family_of_folder
 from moebit.training.config import ConfigError
 from moebit.upcycle.hf_folder import HFUpcycleSpec, moe_family_of, upcycle_hf
@@ -132,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print("moebit upcycle: --noise and --router-std must be >= 0", file=sys.stderr)
         return 2
     try:
-        msg = _run_upcycle(args) if family_of_folder(args.run) is None else _hf_upcycle(args)
+        # a folder meant as a HF model (any model_type) gets the HF path's named errors
+        hf = family_of_folder(args.run) is not None or looks_like_hf_folder(args.run)
+        msg = _hf_upcycle(args) if hf else _run_upcycle(args)
     except (CheckpointError, ConfigError, ValueError, KeyError, OSError) as e:
         print(f"moebit upcycle: {e}", file=sys.stderr)
         return 2
