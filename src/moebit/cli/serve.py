@@ -27,6 +27,7 @@ from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.registry import family_of, family_of_folder
 from moebit.serve.server import PortInUse, bind, follow, serve_main
 
@@ -73,6 +74,8 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError("--context must be >= 0 (0: the model's own)")
     if not args.worker:
         bind(args.host, args.port).close()  # PortInUse now, before loading any model
+    if looks_like_hf_folder(args.checkpoint):  # checked whole first: one named error, no traceback
+        check_folder(args.checkpoint, tokenizer="required")
     fam = family_of_folder(args.checkpoint)
     if fam is not None:
         cfg = fam.read_folder_config(Path(args.checkpoint))
