@@ -29,8 +29,8 @@ from torch.distributed.run import get_args_parser, run
 
 from moebit.checkpoint import latest, read_manifest, remove_incomplete, write_text_atomic
 from moebit.cli.args import RunStopped, UsageError
+from moebit.runs import dtype_probe, metrics
 from moebit.runs import lock as runlock
-from moebit.runs import metrics
 from moebit.runs.runtime import ENV_ERRORS
 from moebit.training.config import TrainConfig
 
@@ -44,6 +44,7 @@ ECHOES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 # How a rank ends when the agent stops it (SIGINT / SIGTERM, handled or not).
 STOPPED = {int(signal.SIGINT), int(signal.SIGTERM), 128 + int(signal.SIGINT), 128 + int(signal.SIGTERM)}
 _HELD: dict[str, runlock.RunLock] = {}
+_DTYPE: dict[str, dtype_probe.Choice] = {}  # run folder -> how its dtype was chosen
 
 
 def add_launch_flags(ap: argparse.ArgumentParser, default_nproc: int = 2) -> None:
@@ -63,11 +64,14 @@ def pop_launch(given: dict[str, Any]) -> dict[str, Any]:
     return {k: given.pop(k) for k in LAUNCH_FLAGS if k in given}
 
 
-def prepare_run_dir(cfg: TrainConfig, command: str = "train", node_rank: int = 0) -> Path:
+def prepare_run_dir(cfg: TrainConfig, command: str = "train", node_rank: int = 0,
+                    nnodes: int = 1) -> Path:
     """Create the run folder, take its lock, and write this attempt's resolved config.
 
     Call only after every check passed: nothing is written before. ``config.json`` is
     replaced atomically; each attempt's own copy stays in ``attempts/N/config.json``.
+    ``--dtype auto`` is resolved here, once (``moebit.runs.dtype_probe``), and the choice
+    printed with its reason: the config the ranks read names bf16 or fp32.
     """
     run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -85,6 +89,11 @@ def prepare_run_dir(cfg: TrainConfig, command: str = "train", node_rank: int = 0
             f"--run-dir {str(run_dir)!r} already holds a run (metrics.jsonl): pick another folder"
         )
     cfg.run_dir = str(run_dir)
+    choice = dtype_probe.resolve(cfg.dtype, cfg.device, nnodes)
+    if choice.requested == "auto":
+        print(f"moebit {command}: {choice.line()}", file=sys.stderr, flush=True)
+    cfg.dtype = choice.dtype
+    _DTYPE[str(run_dir)] = choice
     text = json.dumps(cfg.to_dict(), indent=2) + "\n"
     attempts = run_dir / "attempts"
     n = 1 + max((int(p.name) for p in attempts.glob("*") if p.name.isdigit()), default=0)
@@ -94,6 +103,7 @@ def prepare_run_dir(cfg: TrainConfig, command: str = "train", node_rank: int = 0
 
 
 def release_run_dir(run_dir: Path) -> None:
+    _DTYPE.pop(str(run_dir), None)
     lock = _HELD.pop(str(run_dir), None)
     if lock is not None:
         lock.release()
@@ -168,6 +178,8 @@ def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what:
     env = {ENV_ERRORS: str(errors), runlock.ENV_LAUNCHER: str(os.getpid())}
     if run_dir is not None and str(run_dir) in _HELD:
         env[runlock.ENV_LOCK] = str(_HELD[str(run_dir)].path)
+    if run_dir is not None and str(run_dir) in _DTYPE:
+        env[dtype_probe.ENV_CHOICE] = dtype_probe.to_env(_DTYPE[str(run_dir)])
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

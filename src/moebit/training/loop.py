@@ -38,7 +38,7 @@ from moebit.models.build import build_model
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep, update_router_biases_
 from moebit.optim import build_optimizer
-from moebit.runs import tracking
+from moebit.runs import dtype_probe, tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
 from moebit.training import state as ckpt_io
@@ -154,7 +154,8 @@ def start_record(cfg: TrainConfig, info: DistInfo, model: CausalLM, corpus: Any)
             "n_expert_params": model.num_expert_params(),
             "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
             "corpus": corpus.source, "train_bytes": len(corpus.train),
-            "val_bytes": len(corpus.val), "threads": torch.get_num_threads()}
+            "val_bytes": len(corpus.val), "threads": torch.get_num_threads(),
+            **dtype_probe.start_fields(cfg.dtype)}
 
 
 def end_record(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer, meter: Meter,
