@@ -38,7 +38,7 @@ from moebit.models.build import build_model
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep, update_router_biases_
 from moebit.optim import build_optimizer
-from moebit.runs import dtype_probe, tracking
+from moebit.runs import dtype_probe, runtime, tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
 from moebit.training import state as ckpt_io
@@ -303,6 +303,7 @@ def train(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks | None =
         texts = generate(model, SAMPLE_PROMPTS[: cfg.samples], max_new_tokens=120, seed=cfg.seed)
         summary["samples"] = [p + t for p, t in zip(SAMPLE_PROMPTS, texts, strict=False)]
     say(summary)
+    runtime.work_done()  # a stop signal from here on leaves a finished run (exit 0)
     tracking.close_trackers(trackers)
     if log is not None:
         log.close()
