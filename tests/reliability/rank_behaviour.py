@@ -5,7 +5,8 @@
 fail-all / fail-one: an error on every rank / on rank 1; crash / disk: rank 1 fails in
 "model code" (RuntimeError) / on a full disk (OSError); sleep: wait to be stopped; slow:
 steps of ~10-60 s spent in one C call that never returns to the interpreter, as a big matmul
-does; finish: write the run's end record, then a few seconds of wrapping up.
+does; finish: write the run's end record, then a few seconds of wrapping up; ignore: a
+rank that ignores SIGTERM itself.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def main(argv: list[str]) -> int:
         (folder / f"rank-{rank}.stepping").write_text("")
         while True:  # one C call of seconds per "step": no signal handler runs inside it
             hashlib.pbkdf2_hmac("sha256", b"moebit", b"salt", 30_000_000)
+    if what == "ignore":  # a module that handles SIGTERM itself (as moebit serve's ranks do)
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (folder / f"rank-{rank}.ignoring").write_text("")
+        time.sleep(5)  # longer than the stop grace
+        (folder / f"rank-{rank}.survived").write_text("")
+        return 0
     if what == "finish":
         from moebit.runs import runtime
 

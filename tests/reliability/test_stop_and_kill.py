@@ -165,3 +165,13 @@ def test_sigterm_after_the_end_record_exits_0(tmp_path: Path):
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     assert out.strip().splitlines()[-1] == "finished", out
+
+
+def test_a_rank_that_handles_sigterm_itself_keeps_its_handler(tmp_path: Path):
+    """moebit serve's ranks ignore SIGTERM until rank 0 has drained: no grace kills them."""
+    proc = start_launcher(tmp_path, "ignore", "ignoring")
+    for p in tmp_path.glob("rank-*.pid"):
+        os.kill(int(p.read_text()), signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert len(list(tmp_path.glob("rank-*.survived"))) == 2, out

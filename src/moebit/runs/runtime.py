@@ -109,8 +109,22 @@ def _grace_s() -> float:
 
 def _take_signals() -> None:
     """The stop-signal thread: the first signal raises ``StopRequested`` in the main thread;
-    a rank still alive after the grace period (more signals do not shorten it) leaves."""
-    signum = int(signal.sigwait(set(STOP_SIGNALS)))
+    a rank still alive after the grace period (more signals do not shorten it) leaves.
+
+    A module that installed its own handler (``moebit serve``: uvicorn drains on SIGTERM,
+    the other ranks ignore it until rank 0 tells them to stop) keeps it: its handler is
+    called as the signal's own would be, ignored stays ignored, and no grace applies.
+    """
+    while True:
+        signum = int(signal.sigwait(set(STOP_SIGNALS)))
+        handler = signal.getsignal(signum)
+        if handler is _on_stop:
+            break
+        if handler == signal.SIG_IGN:
+            continue
+        if handler in (signal.SIG_DFL, None):
+            os._exit(128 + signum)
+        _thread.interrupt_main(signum)  # runs that handler in the main thread
     grace = DONE_GRACE_S if _done.is_set() else _grace_s()
     _thread.interrupt_main(signum)
     deadline = time.monotonic() + grace
