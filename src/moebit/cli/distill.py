@@ -201,7 +201,8 @@ def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]
     corpus = check_run(cfg, launch)
     if corpus is not None:
         print(f"moebit distill: {corpus.summary()}", file=sys.stderr)
-    run_dir = prepare_run_dir(cfg, "distill", int(launch.get("node_rank", 0)))
+    run_dir = prepare_run_dir(cfg, "distill", int(launch.get("node_rank", 0)),
+                              int(launch.get("nnodes", 1)))
     try:
         write_text_atomic(json.dumps(dcfg.to_dict(), indent=2) + "\n", run_dir / DISTILL_FILE)
         print_run_folder(run_dir, "distill", f"; student blocks from teacher blocks {dcfg.keep_layers}")

@@ -100,7 +100,8 @@ def launch_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path:
     ckpt = check_training(cfg, launch)
     config = Path(str(cfg.run_dir)) / "config.json"
     previous = config.read_text() if ckpt is not None else None
-    run_dir = prepare_run_dir(cfg, "train", int(launch.get("node_rank", 0)))
+    run_dir = prepare_run_dir(cfg, "train", int(launch.get("node_rank", 0)),
+                              int(launch.get("nnodes", 1)))
     try:
         if ckpt is not None and launch.get("resume_from") is not None:
             for d in set_aside_newer(run_dir, ckpt):

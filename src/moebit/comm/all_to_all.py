@@ -91,7 +91,8 @@ def encode(x_ND: torch.Tensor, fmt: str) -> torch.Tensor:
         return x_ND.contiguous()
     if fmt in _CASTS:
         return x_ND.to(_CASTS[fmt]).contiguous()
-    x = x_ND.reshape(x_ND.shape[0], -1)
+    # d named, not inferred: a rank may send no row at all, and -1 is ambiguous for 0 elements
+    x = x_ND.reshape(x_ND.shape[0], math.prod(x_ND.shape[1:]))
     if fmt == "int8":
         native = _rowquant_c.encode_int8(x)
         if native is not None:

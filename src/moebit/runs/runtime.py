@@ -9,8 +9,18 @@ Every rank of ``moebit train``, ``distill`` and ``generate`` starts here, then c
   dies; elsewhere a watchdog thread polls the parent pid.
 - **The run folder's lock.** A rank refuses to start unless its launcher holds the run
   folder's lock (``moebit.runs.lock``).
-- **A clean stop.** SIGINT / SIGTERM raise ``StopRequested`` in the main thread; the rank
-  then exits quietly with 130 / 143, and the launcher prints the one stop line.
+- **A clean stop, promptly.** SIGINT / SIGTERM raise ``StopRequested`` in the main thread;
+  the rank then exits quietly with 130 / 143, and the launcher prints the one stop line.
+  A Python signal handler runs only between bytecodes, so a rank inside a long matmul or
+  a collective waiting on a busy peer used to notice the signal only when that call
+  returned (a slow step: many seconds). So the signals are blocked in every thread and a
+  small thread takes them with ``sigwait``: it raises ``StopRequested`` in the main thread
+  (``_thread.interrupt_main``) and, if the rank is still alive ``MOEBIT_STOP_GRACE_S``
+  seconds later (default 2), ends it with ``os._exit(128 + signal)``. That is safe: every
+  file a rank writes is atomic, and the launcher removes a checkpoint left without its
+  manifest.
+- **Done is done.** Once the loop has written the run's ``end`` record (``work_done``), a
+  stop signal no longer turns the finished run into a stopped one: the rank exits 0.
 - **One line per error.** An exception is written to ``$MOEBIT_ERROR_DIR/rank-N.json``
   (type, message, traceback) instead of a traceback on stderr; the launcher prints each
   distinct error once, naming the ranks.
@@ -19,6 +29,7 @@ Every rank of ``moebit train``, ``distill`` and ``generate`` starts here, then c
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import ctypes
 import importlib
@@ -35,8 +46,15 @@ from types import FrameType
 from moebit.runs import lock as runlock
 
 ENV_ERRORS = "MOEBIT_ERROR_DIR"
+ENV_GRACE = "MOEBIT_STOP_GRACE_S"
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Once the work is done (the end record is written), a stop still lets the rank finish
+# its last writes (plots, trackers) for this long before it exits 0.
+DONE_GRACE_S = 20.0
 _stop_signal: list[int] = []
+_done = threading.Event()  # the run's work is complete: a stop signal now means exit 0
+_exiting = threading.Event()  # finish() runs: a stop signal must not raise in atexit handlers
 
 
 class StopRequested(BaseException):
@@ -70,15 +88,67 @@ def _watch_parent(parent: int) -> None:
 
 
 def _on_stop(signum: int, frame: FrameType | None) -> None:
-    if _stop_signal:  # already stopping: let the cleanup run
-        return
+    if _stop_signal or _done.is_set() or _exiting.is_set():
+        return  # already stopping, finished, or leaving: let that run to its end
     _stop_signal.append(signum)
     raise StopRequested(signum)
 
 
+def work_done() -> None:
+    """The run's work is complete (its ``end`` record is written): a stop signal from now
+    on ends the rank with 0, not 130 / 143."""
+    _done.set()
+
+
+def _grace_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(ENV_GRACE, "2")))
+    except ValueError:
+        return 2.0
+
+
+def _take_signals() -> None:
+    """The stop-signal thread: the first signal raises ``StopRequested`` in the main thread;
+    a rank still alive after the grace period (more signals do not shorten it) leaves.
+
+    A module that installed its own handler (``moebit serve``: uvicorn drains on SIGTERM,
+    the other ranks ignore it until rank 0 tells them to stop) keeps it: its handler is
+    called as the signal's own would be, ignored stays ignored, and no grace applies.
+    """
+    while True:
+        signum = int(signal.sigwait(set(STOP_SIGNALS)))
+        handler = signal.getsignal(signum)
+        if handler is _on_stop:
+            break
+        if handler == signal.SIG_IGN:
+            continue
+        if handler in (signal.SIG_DFL, None):
+            os._exit(128 + signum)
+        _thread.interrupt_main(signum)  # runs that handler in the main thread
+    grace = DONE_GRACE_S if _done.is_set() else _grace_s()
+    _thread.interrupt_main(signum)
+    deadline = time.monotonic() + grace
+    while (left := deadline - time.monotonic()) > 0:
+        signal.sigtimedwait(set(STOP_SIGNALS), left)  # later signals: already stopping
+    code = 0 if _done.is_set() else 128 + signum
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):
+            pass
+    os._exit(code)
+
+
 def install_stop_handlers() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    """SIGINT / SIGTERM become ``StopRequested`` in the main thread, promptly (see the
+    module docstring). Call before any other thread starts: threads inherit the blocked
+    signals, so only the stop-signal thread receives them."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop)
+    if not hasattr(signal, "pthread_sigmask") or not hasattr(signal, "sigtimedwait"):
+        return  # no sigwait (not POSIX): the handler alone, between bytecodes
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    threading.Thread(target=_take_signals, name="moebit-stop-signals", daemon=True).start()
 
 
 def stop_signal() -> int | None:
@@ -124,8 +194,10 @@ def finish(code: int) -> None:
     holds the group), so interpreter finalization tears down those C++ objects while their
     threads run, in no defined order: the occasional "terminate called without an active
     exception" (SIGABRT) after a finished run. The rank's work, files and process group are
-    closed by now; atexit handlers (log and event writers) still run here.
+    closed by now; atexit handlers (log and event writers) still run here. A stop signal
+    that arrives now raises nothing (it used to print a traceback from an atexit handler).
     """
+    _exiting.set()
     try:
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001 - a failing handler must not turn a finished run into a crash
@@ -143,15 +215,17 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         print("usage: python -m moebit.runs.runtime MODULE [ARGS...]", file=sys.stderr)
         finish(2)
+    install_stop_handlers()  # first: a thread started before it could take the signals
     launcher = os.environ.get(runlock.ENV_LAUNCHER)
-    if launcher:
-        die_with_parent(int(launcher))
-    install_stop_handlers()
     try:
+        if launcher:
+            die_with_parent(int(launcher))
         runlock.check_held()
     except runlock.RunLockError as e:
         record_error(e)
         finish(1)
+    except StopRequested as e:  # stopped before the work began
+        finish(128 + e.signum)
     finish(run_module(argv[0], argv[1:]))
 
 

@@ -63,7 +63,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
-    dtype: str = "bf16"
+    dtype: str = "auto"  # auto: bf16 autocast where it measures faster (moebit.runs.dtype_probe)
     device: str = "auto"
     threads: int = 0  # 0: the machine's cores divided by the ranks on this node
     run_dir: str | None = None
@@ -229,7 +229,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.eps >= 0, "eps", "must be >= 0")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
-    need(cfg.dtype in ("bf16", "fp32"), "dtype", "must be bf16 or fp32")
+    need(cfg.dtype in ("auto", "bf16", "fp32"), "dtype", "must be auto, bf16 or fp32")
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
     need(cfg.on_nan in ("skip", "stop"), "on_nan", "must be skip or stop")

@@ -39,7 +39,7 @@ from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.interface import CausalLM
 from moebit.models.registry import build_model, family_of
 from moebit.moe import update_router_biases_
-from moebit.runs import tracking
+from moebit.runs import runtime, tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
 from moebit.runs.units import loss_text, loss_unit
@@ -286,6 +286,7 @@ def finish(r: Run) -> dict[str, Any]:
     if r.cfg.samples:
         summary["samples"] = samples(r.cfg, r.model)
     r.say(summary)
+    runtime.work_done()  # a stop signal from here on leaves a finished run (exit 0)
     tracking.close_trackers(r.trackers)
     if r.log is not None:
         r.log.close()

@@ -15,6 +15,7 @@ from moebit.comm.collectives import DistInfo, broadcast_params_
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep
 from moebit.optim import build_optimizer
+from moebit.runs import dtype_probe
 from moebit.runs.metrics import MetricsWriter
 from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig
@@ -104,4 +105,5 @@ def start_record(cfg: TrainConfig, info: DistInfo, model: CausalLM, corpus: Any)
             "n_expert_params": model.num_expert_params(),
             "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
             "corpus": corpus.source, "train_bytes": len(corpus.train),
-            "val_bytes": len(corpus.val), "threads": torch.get_num_threads()}
+            "val_bytes": len(corpus.val), "threads": torch.get_num_threads(),
+            **dtype_probe.start_fields(cfg.dtype)}

@@ -104,7 +104,10 @@ class Attention(nn.Module):
             keys, values = cache.update(self.layer, k, v)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                is_causal=mask is None and t > 1, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        # heads x head_dim named, not inferred: an expert-parallel rank with no prompt of its
+        # own runs a zero-row batch, and -1 is ambiguous for 0 elements
+        c = self.cfg
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
 
 
 @dataclass
@@ -185,6 +188,8 @@ def hf_load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: i
     """transformers' ``load_balancing_loss_func`` (no attention mask): E * sum_e f_e * P_e,
     f_e the top-k choices of e per token and P_e the mean probability, over all layers."""
     logits_SE = torch.cat(list(router_logits), 0)
+    if logits_SE.shape[0] == 0:  # a rank with no token: no imbalance (not 0/0 = NaN)
+        return logits_SE.new_zeros(())
     probs_SE = torch.softmax(logits_SE, dim=-1)
     top_SK = torch.topk(probs_SE, k, dim=-1).indices
     f_E = torch.bincount(top_SK.reshape(-1), minlength=num_experts).float() / logits_SE.shape[0]
