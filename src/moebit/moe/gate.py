@@ -175,7 +175,8 @@ class TopKGate(nn.Module):
     With ``bias_update_speed > 0`` the gate holds ``e_score_correction_bias`` [E] (a
     buffer: no gradient, saved in checkpoints), added to the scores for selection only,
     and counts the choices it makes in training mode in ``load_since_update`` until
-    ``update_router_biases_`` consumes them after the optimizer step.
+    ``update_router_biases_`` consumes them after the optimizer step. With
+    ``score_correction_bias`` alone it holds the bias without counting or moving it.
     """
 
     def __init__(self, d_model: int, config: MoEConfig) -> None:
@@ -187,7 +188,8 @@ class TopKGate(nn.Module):
         self.router = nn.Linear(d_model, config.num_experts, bias=False)
         on = config.bias_update_speed > 0
         e = config.num_experts
-        self.register_buffer("e_score_correction_bias", torch.zeros(e) if on else None)
+        held = on or config.score_correction_bias  # a checkpoint's fixed bias, or a moving one
+        self.register_buffer("e_score_correction_bias", torch.zeros(e) if held else None)
         self.register_buffer("load_since_update",
                              torch.zeros(e, dtype=torch.long) if on else None, persistent=False)
 
@@ -297,7 +299,7 @@ class TopKGate(nn.Module):
             bias_E = None
             if self.e_score_correction_bias is not None:
                 bias_E = self.e_score_correction_bias.clone()
-                if self.training:
+                if self.training and self.load_since_update is not None:
                     self.load_since_update += routed_E
         stats = RoutingStats(routed_E, kept_E, dropped, cap, bias_E)
         return Routing(expert_SK, weight_SK, kept_SK, aux, z, stats)
