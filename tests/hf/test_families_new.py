@@ -277,3 +277,29 @@ def test_missing_selection_bias_is_named(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=name.replace(".", r"\.")):
         load_hf_weights(build_empty(read_config(tmp_path)), tmp_path)
+
+
+def test_fused_5x_layout_loads(made, tmp_path):
+    """A checkpoint holding transformers 5.x's in-memory names (fused experts, MiniMax's
+    bias under ``mlp.``) loads to the same logits."""
+    from safetensors.torch import save_file
+
+    _, _, ref = made
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in sd)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ref.config.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, ref(_ids()).logits, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_keeps_the_selection_bias_float32(made):
+    _, folder, _ = made
+    model = from_pretrained(folder, dtype=torch.bfloat16)
+    gate = model.blocks[model.config.moe_layers[0]].mlp.gate
+    assert model.wte.weight.dtype == torch.bfloat16
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    torch.testing.assert_close(gate.e_score_correction_bias,
+                               from_pretrained(folder).blocks[model.config.moe_layers[0]]
+                               .mlp.gate.e_score_correction_bias, atol=0, rtol=0)

@@ -193,6 +193,16 @@ class TopKGate(nn.Module):
         self.register_buffer("load_since_update",
                              torch.zeros(e, dtype=torch.long) if on else None, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """Casts keep the selection bias float32, as the router's logits are: in bfloat16 a
+        bias of 0.1 moves in steps of 5e-4, enough to flip near-ties between experts (and
+        transformers keeps GLM's bias in float32 too)."""
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b is not None and b.dtype != torch.float32:
+            self.e_score_correction_bias = b.float()
+        return self
+
     def capacity(self, num_tokens: int) -> int | None:
         """Slots per expert for this many tokens in the current mode; None when dropless."""
         c = self.config
