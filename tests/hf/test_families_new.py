@@ -303,3 +303,24 @@ def test_bfloat16_keeps_the_selection_bias_float32(made):
     torch.testing.assert_close(gate.e_score_correction_bias,
                                from_pretrained(folder).blocks[model.config.moe_layers[0]]
                                .mlp.gate.e_score_correction_bias, atol=0, rtol=0)
+
+
+def test_released_config_spellings():
+    """The released config.json spellings (4.x keys: top-level rope_theta and
+    partial_rotary_factor, MiniMax's rotary_dim and its own routing switches)."""
+    common = {"vocab_size": 8, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3,
+              "num_experts_per_tok": 2, "rope_theta": 1e6, "rope_scaling": None}
+    glm = HFDecoderConfig.from_hf({**common, "model_type": "glm4_moe", "n_routed_experts": 4,
+                                   "moe_intermediate_size": 8, "intermediate_size": 16,
+                                   "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1,
+                                   "eos_token_id": [1, 2]})
+    assert (glm.partial_rotary_factor, glm.rope_theta, glm.moe_layers) == (0.5, 1e6, [1, 2])
+    assert (glm.num_experts, glm.moe_intermediate_size, glm.scoring_func) == (4, 8, "sigmoid")
+    mm = HFDecoderConfig.from_hf({**common, "model_type": "minimax_m2", "num_local_experts": 4,
+                                  "intermediate_size": 8, "rotary_dim": 4,
+                                  "scoring_func": "sigmoid", "use_routing_bias": True,
+                                  "use_qk_norm": True, "qk_norm_type": "per_layer",
+                                  "attn_type_list": [1, 1, 1]})
+    assert (mm.partial_rotary_factor, mm.rope.dim, mm.moe_layers) == (0.25, 4, [0, 1, 2])
+    assert mm.qk_norm == "full" and mm.norm_topk_prob and mm.score_correction_bias
