@@ -8,8 +8,12 @@ Both expert layouts load:
   ``mlp.experts.down_proj`` [E, H, I]: moebit's own layout, sliced to the local experts
   (``get_slice``: a rank reads only its rows);
 - transformers 4.x per expert (what 5.x's ``save_pretrained`` still writes):
-  ``experts.N.gate_proj/up_proj/down_proj.weight`` (Qwen, OLMoE) or, under Mixtral's
-  ``block_sparse_moe``, ``experts.N.w1/w3/w2.weight``: a rank opens only its experts'.
+  ``experts.N.gate_proj/up_proj/down_proj.weight`` (Qwen, OLMoE, GLM) or, under Mixtral's
+  and MiniMax-M2's ``block_sparse_moe``, ``experts.N.w1/w3/w2.weight``: a rank opens only
+  its experts'.
+
+GLM-4.5 MoE and MiniMax-M2 also carry each MoE layer's fixed selection bias
+(``e_score_correction_bias``, a buffer of the gate), read and written with the router.
 
 Writing produces the per-expert layout (which transformers 4.x and 5.x both load), as
 sharded safetensors with ``model.safetensors.index.json``: one shard of the non-expert
