@@ -1,14 +1,21 @@
 """Shared fixtures: a small real-text corpus (stdlib sources) for fast training tests, and
-one intra-op thread for tests that compare kernels (``pytestmark = usefixtures("one_thread")``)."""
+one intra-op thread for tests that compare kernels (``pytestmark = usefixtures("one_thread")``).
+
+Kernel autotuning is off for the whole session (``MOEBIT_AUTOTUNE=0``, inherited by the
+ranks tests start): "auto" then picks the same kernel on every run and every machine
+load, so results do not depend on timing. tests/moe/test_autotune.py turns it on."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from moebit.training.data import stdlib_files
+
+os.environ.setdefault("MOEBIT_AUTOTUNE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ def test_every_op_moebit_issues_has_its_kind() -> None:
         "outer.onebit.phase2": "outer", "outer.onebit.header": "outer",
         "ddp.powersgd": "ddp_hook", "ddp.fp16": "ddp_hook",
         "nan_check": "other", "freeze_check": "other",
+        "fsdp.rs.int8": "rs", "fsdp.rs.none": "rs", "fsdp.ag.bf16": "ag",
+        "fsdp.allreduce.replicate": "exact",
     }
     assert {op: stats.kind_of(op) for op in kinds} == kinds
     assert set(kinds.values()) == set(stats.KINDS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebit.inference.generate import dropless, generate, generate_tokens
+from moebit.inference.generate import dropless, eos_token_ids, generate, generate_tokens
 from moebit.models.gpt import GPT, GPTConfig
 from moebit.moe import TopKGate
 
@@ -105,3 +105,42 @@ def test_bad_arguments() -> None:
         generate(m, ["a"], top_k=0)
     with pytest.raises(ValueError, match="batch_size"):
         generate(m, ["a"], batch_size=0)
+
+
+def test_eos_ends_a_row_with_stop_keeping_the_token() -> None:
+    """As transformers' generate: the EOS token is the row's last token; other rows go on."""
+    m = sharp_model("dense")
+    free = generate_tokens(m, [[1, 2, 3], [4, 5]], max_new_tokens=20, temperature=0, eos=[])
+    assert free.finish_reasons == ["length", "length"]
+    eos = free.tokens[0][5]
+    k = free.tokens[0].index(eos)
+    res = generate_tokens(m, [[1, 2, 3], [4, 5]], max_new_tokens=20, temperature=0, eos=[eos])
+    assert res.tokens[0] == free.tokens[0][:k + 1] and res.finish_reasons[0] == "stop"
+    other = free.tokens[1]
+    if eos in other:
+        assert res.tokens[1] == other[:other.index(eos) + 1]
+    else:
+        assert res.tokens[1] == other and res.finish_reasons[1] == "length"
+    m.config.eos_token_id = eos  # a config's eos_token_id is the default, as in transformers
+    try:
+        assert generate_tokens(m, [[1, 2, 3]], max_new_tokens=20, temperature=0).tokens[0] == \
+            res.tokens[0]
+        recomputed = generate(m, [bytes([1, 2, 3]).decode()], max_new_tokens=20, temperature=0,
+                              use_cache=False)[0]
+        assert recomputed.encode("utf-8", errors="replace") == bytes(res.tokens[0])
+    finally:
+        del m.config.eos_token_id
+
+
+def test_eos_token_ids_reads_config_and_generation_config(tmp_path) -> None:
+    class Cfg:
+        eos_token_id = 2
+
+    assert eos_token_ids(Cfg()) == [2]
+    assert eos_token_ids(GPTConfig()) == []  # byte models: no EOS byte
+    assert eos_token_ids(Cfg(), tmp_path) == [2]  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+    assert eos_token_ids(Cfg(), tmp_path) == [7, 9]  # it wins, as in transformers
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ValueError, match="eos_token_id"):
+        eos_token_ids(Cfg(), tmp_path)

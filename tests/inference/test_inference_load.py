@@ -131,6 +131,13 @@ def test_generate_command(moe_run: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert out["prompts"] == ["ab", "c"] and out["new_tokens"] == 10
     assert cap.out.startswith("ab" + out["texts"][0])
     assert "int8 experts: 2 MoE layers" in cap.err
+    n = torch.get_num_threads()
+    try:
+        rc = main([str(moe_run), "--prompt", "ab", "--max-new-tokens", "3", "--temperature",
+                   "0", "--threads", "1", "--quantize", "int4"])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0 and "int4 experts: 2 MoE layers" in capsys.readouterr().err
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert "not a moebit run or checkpoint folder" in capsys.readouterr().err
     dense = tmp_path / "dense"

@@ -22,6 +22,12 @@ def test_bench_moe_reports_every_implementation(tmp_path: Path) -> None:
         assert "error" not in r, r
         assert r["fwd_bwd_ms"] > 0 and r["fwd_ms"] > 0  # no ordering: one rep on a busy machine
         assert r["ratio_lower_bound"] > 0
+    # auto measured its candidates in the run and reports each one's time
+    tuned = [t for r in results if r["impl"] == "moebit" for t in r.get("auto", {}).values()]
+    assert tuned, [r.get("auto") for r in results]
+    for t in tuned:
+        assert t["choice"] in t["times_ms"] and "loop" in t["times_ms"]
+        assert all(v > 0 for v in t["times_ms"].values())
 
 
 def test_bench_moe_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys) -> None:

@@ -1,14 +1,17 @@
 """The continuous-batching engine without HTTP: same tokens as moebit generate, seeded
-requests independent of their batch, chunked prefill, slots freed and reused."""
+requests independent of their batch, chunked prefill, slots freed and reused, a failing
+request or forward ending only its own requests, EOS, what submit refuses."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from serve_helpers import MOE, request, run_engine, tiny_model
 
 from moebit.inference.generate import generate_tokens
+from moebit.inference.sampling import SamplingParams
 from moebit.models.tokenizer import ByteTokenizer
-from moebit.serve.engine import Engine
+from moebit.serve.engine import Engine, QueueFull, Request
 from moebit.serve.slot_cache import SlotKVCache
 
 PROMPTS = [b"def foo(", b"x", b"import os\nimport sys\n" * 2, b"class A:\n    "]
@@ -108,3 +111,80 @@ def test_cancel_frees_the_slot_for_the_next_request() -> None:
         eng.step()
     assert c2.done.is_set() and not c1.done.is_set()
     assert eng.metrics.requests == {"cancelled": 1, "length": 1}
+
+
+class _FailsOnTwoTokens(ByteTokenizer):
+    """A tokenizer whose decode raises on a two-token text: a request fault mid-decode."""
+
+    def decode(self, ids: list[int]) -> str:
+        if len(ids) == 2:
+            raise RuntimeError("decode fault")
+        return super().decode(ids)
+
+
+def test_a_failing_request_ends_alone_and_the_engine_keeps_serving() -> None:
+    torch.set_num_threads(1)
+    eng = Engine(tiny_model(), _FailsOnTwoTokens(), max_batch=4, max_queue=8)
+    (bad, cb), (ok, co) = request("bad", b"ab", max_tokens=5, temperature=0), \
+        request("ok", b"cd", max_tokens=1, temperature=0)
+    run_engine(eng, [bad, ok])
+    assert cb.events[-1].finish_reason == "error" and cb.events[-1].status == 500
+    assert "decode fault" in cb.events[-1].error
+    assert co.events[-1].finish_reason == "length"
+    assert eng.failed is None and eng.slots == [None] * 4
+    later, cl = request("later", b"ef", max_tokens=1, temperature=0)
+    run_engine(eng, [later])
+    assert cl.events[-1].finish_reason == "length"
+    assert eng.metrics.requests == {"error": 1, "length": 2}
+    assert eng.metrics.running == 0  # the gauge follows requests out, not only in
+
+
+def test_a_failing_forward_ends_its_requests_not_the_engine() -> None:
+    torch.set_num_threads(1)
+    model = tiny_model()
+    eng = Engine(model, ByteTokenizer(), max_batch=2, max_queue=8)
+    real, calls = model.forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("forward fault")
+        return real(*args, **kwargs)
+
+    model.forward = flaky
+    r1, c1 = request("a", b"ab", max_tokens=3, temperature=0)
+    run_engine(eng, [r1])
+    assert c1.events[-1].finish_reason == "error" and "forward fault" in c1.events[-1].error
+    r2, c2 = request("b", b"ab", max_tokens=3, temperature=0)
+    run_engine(eng, [r2])
+    del model.forward
+    assert c2.text == _engine_tokens(model, [b"ab"], 1, 64, max_tokens=3, temperature=0)[0]
+    assert eng.failed is None
+
+
+def test_eos_token_ends_the_request_with_stop_and_is_not_text() -> None:
+    torch.set_num_threads(1)
+    model = tiny_model()
+    ids = generate_tokens(model, [list(b"ab")], max_new_tokens=30, temperature=0).tokens[0]
+    eos = ids[6]
+    k = ids.index(eos)
+    eng = Engine(model, ByteTokenizer(), max_batch=2, max_queue=4, eos=[eos, 255])
+    r, c = request("a", b"ab", max_tokens=30, temperature=0)
+    run_engine(eng, [r])
+    assert c.events[-1].finish_reason == "stop"
+    assert c.text == bytes(ids[:k]).decode("utf-8", errors="replace")
+    assert r.completion_tokens == k + 1  # the EOS token is counted, as OpenAI counts it
+
+
+def test_submit_refuses_what_the_engine_cannot_run_and_counts_rejections() -> None:
+    eng = Engine(tiny_model(), ByteTokenizer(), max_batch=1, max_queue=1)
+    with pytest.raises(ValueError, match="^prompt is empty"):
+        eng.submit(request("e", b"")[0])
+    with pytest.raises(ValueError, match="^prompt holds token id 300"):
+        eng.submit(Request("v", [1, 300], SamplingParams(), lambda ev: None))
+    with pytest.raises(ValueError, match="^seed"):
+        eng.submit(request("s", b"a", seed=2**70)[0])
+    eng.submit(request("q", b"a")[0])
+    with pytest.raises(QueueFull):
+        eng.submit(request("r", b"a")[0])
+    assert eng.metrics.requests == {"rejected": 1}

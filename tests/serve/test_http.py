@@ -165,6 +165,8 @@ def test_disconnect_frees_the_slot_and_full_queue_gets_429(long_run: Path) -> No
         assert r2.status_code == 200
         m = httpx.get(s.url + "/metrics").text
         assert 'moebit_requests_total{reason="cancelled"} 1' in m
+        assert 'moebit_requests_total{reason="rejected"} 1' in m  # the 429 is counted
+        assert "moebit_running_requests 0\n" in m
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(long_run: Path) -> None:

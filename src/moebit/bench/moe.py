@@ -11,7 +11,9 @@ Implementations, all on the same input, d_model 512, d_ffn 2048, 4096 tokens by 
 - ``moebit``: ``moebit.moe.MoE`` (sort-based dispatch, batched experts; its default
   ``kernel="auto"`` runs near-equal expert blocks as padded batched matmuls).
 - ``moebit_loop`` / ``moebit_padded`` / ``moebit_grouped``: the same layer with each expert
-  kernel forced, to check what ``kernel="auto"`` picks against the best of them.
+  kernel forced, to check what ``kernel="auto"`` picks against the best of them. Auto
+  measures its candidates afresh in each worker (``bench.tuning.fresh_tuning``); the
+  report prints each choice with every candidate's time (``auto`` in the JSON).
 - ``onehot_baseline``: THE BASELINE, not our code path: the GShard one-hot dispatch, a
   [S, E, C] dispatch and combine tensor and two einsums (DeepSpeed's method until 2025),
   with the same router and expert weights.
@@ -64,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebit.bench.moe_gated import FLOOR_OF, GATED_BUILDERS, GATED_IMPLS, routed_blocks, summarize
+from moebit.bench.tuning import auto_choices, auto_lines, fresh_tuning
 from moebit.moe import MoE, MoEConfig
 from moebit.testing import free_port
 
@@ -324,16 +327,19 @@ def run_config(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "peak_mem_mb": _peak_growth_mb(step, grads, zero(module), device),
             "params": sum(p.numel() for p in module.parameters()),
         }
+        auto = auto_choices(module)
+        if auto:
+            out[impl]["auto"] = auto
     return out
 
 
 def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, dict[str, Any]]:
     cmd = [sys.executable, "-m", "moebit.bench.moe", "--worker", json.dumps(spec)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {i: {"error": f"timed out after {timeout:.0f}s"} for i in spec["impls"]}
+    with fresh_tuning(dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))) as env:
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {i: {"error": f"timed out after {timeout:.0f}s"} for i in spec["impls"]}
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -430,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{_fmt(r['peak_mem_mb']):>8s}  "
                           f"{_fmt(r['ratio_lower_bound'], 2):>5s}  "
                           f"{_fmt(r['speedup_vs_fp32_lower_bound'], 2):>10s}", flush=True)
+                    for line in auto_lines(r.get("auto", {})):
+                        print(f"      {line}", flush=True)
                 ratios = summarize(by_impl)
                 summaries.append({"experts": e, "k": k, "dtype": dtype, **ratios,
                                   "of_minima": summarize(by_impl, "fwd_bwd_min_ms")})

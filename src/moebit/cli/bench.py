@@ -6,7 +6,7 @@ import importlib
 
 from moebit.cli.args import UsageError
 
-BENCHMARKS = ("comm", "moe", "train", "inference", "freeze", "a2a", "hf", "serve")
+BENCHMARKS = ("comm", "moe", "train", "inference", "freeze", "a2a", "hf", "serve", "kernels")
 
 
 def main(argv: list[str]) -> int:

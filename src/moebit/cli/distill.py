@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 
 from moebit.checkpoint import write_text_atomic
 from moebit.cli.args import UsageError, add_config_flags, parse_known, unknown_flag_error
-from moebit.cli.export import COPIED
 from moebit.cli.launch import (
     add_launch_flags,
     pop_launch,
@@ -52,6 +50,12 @@ from moebit.distill.run import (
 )
 from moebit.distill.students import check_keep, choose_layers
 from moebit.distill.teacher import Teacher, find_teacher, load_teacher, write_student
+from moebit.models.hf.folder import (
+    check_folder,
+    check_training_tokenizer,
+    copy_side_files,
+    looks_like_hf_folder,
+)
 from moebit.runs import tracking
 from moebit.runs.metrics import FILE_NAME as METRICS_FILE
 from moebit.training.config import TrainConfig, build
@@ -128,6 +132,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, DistillConfig, dict[str, A
     if "keep_layers" in dvals:
         dvals["keep_layers"] = _keep_list(dvals["keep_layers"])
     dcfg = DistillConfig(**dvals).validate()
+    if looks_like_hf_folder(dcfg.teacher):  # a corrupt folder: one line naming the file
+        check_folder(dcfg.teacher, tokenizer="ignore")  # the tokenizer: in folder_student
     teacher = find_teacher(dcfg.teacher)
     if teacher.folder is not None:  # its student starts from a model folder of its own
         return folder_student(teacher, dcfg, given), dcfg, launch
@@ -157,14 +163,14 @@ def folder_student(t: Teacher, dcfg: DistillConfig, given: dict[str, Any]) -> Tr
     if (run_dir / METRICS_FILE).exists():
         raise UsageError(f"--run-dir {str(run_dir)!r} already holds a run ({METRICS_FILE}): pick "
                          f"another folder, or continue it with --resume {run_dir}")
+    if t.folder is not None:  # the student trains on its ids: checked before writing
+        check_training_tokenizer(t.folder, t.config.vocab_size)
     student_dir = run_dir / STUDENT_DIR
     teacher = load_teacher(t, dtype=t.family.stored_dtype(t.config) if t.checkpoint is None else None)
     write_student(teacher, keep, student_dir)
     del teacher
-    for name in COPIED:
-        src = t.folder / name if t.folder is not None else None
-        if src is not None and src.is_file():
-            shutil.copyfile(src, student_dir / name)
+    if t.folder is not None and t.folder.is_dir():  # tokenizer, chat template, ...
+        copy_side_files(t.folder, student_dir)
     values = {**t.train_values, "init_from": str(student_dir), "resume": False,
               "run_dir": str(run_dir)}
     dcfg.keep_layers = keep
@@ -206,9 +212,17 @@ def launch_distill(cfg: TrainConfig, dcfg: DistillConfig, launch: dict[str, Any]
     return run_dir
 
 
+def compare_command(teacher: str | Path, run_dir: Path) -> str:
+    """The command that compares the student with its teacher: ``moebit report`` reads
+    run folders, so a Hugging Face folder teacher (no metrics.jsonl) is left out of it."""
+    if (Path(teacher) / METRICS_FILE).is_file():
+        return f"moebit report {teacher} {run_dir}"
+    return f"moebit report {run_dir}; moebit eval {run_dir}"
+
+
 def main(argv: list[str]) -> int:
     cfg, dcfg, launch = parse_args(list(argv))
     run_dir = launch_distill(cfg, dcfg, launch)
     print(f"moebit distill: done; metrics and plots in {run_dir} "
-          f"(compare: moebit report {dcfg.teacher} {run_dir})")
+          f"(compare: {compare_command(dcfg.teacher, run_dir)})")
     return 0

@@ -28,6 +28,8 @@ from tqdm import tqdm
 
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.inference.loading import load_model, resolve_checkpoint
+from moebit.models.hf.tokens import TOKENIZER_FILE
+from moebit.runs.units import bits_per_byte, loss_unit, unit_name
 from moebit.training.data import load_corpus, val_batches
 from moebit.training.evaluation import evaluate
 from moebit.training.tokenized import corpus_for_model
@@ -88,8 +90,13 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     bsz = batch_size or int(run_cfg["batch_size"])
     corpus = load_corpus(run_cfg.get("data"), run_cfg.get("encoding", "utf-8"),
                          run_cfg.get("encoding_errors", "strict"))
-    if run_cfg.get("init_from"):  # a Hugging Face model: its tokenizer's ids (cached)
-        corpus = corpus_for_model(corpus, run_cfg["init_from"], model.config.vocab_size)
+    unit = loss_unit(len(corpus.val), len(corpus.val), None)
+    # a model from a folder reads its tokenizer's ids (cached); moebit's GPT reads bytes
+    text = corpus
+    corpus = corpus_for_model(corpus, run_cfg.get("init_from"), model.config.vocab_size)
+    if corpus is not text:  # the loss is per token; bits/byte from the val text
+        unit = loss_unit(len(text.val), len(corpus.val),
+                         str(Path(run_cfg["init_from"]) / TOKENIZER_FILE))
     if as_trained:
         wins = val_batches(corpus.val, block, int(run_cfg["batch_size"]),
                            batches or int(run_cfg["eval_batches"]), int(run_cfg["seed"]))
@@ -102,10 +109,19 @@ def evaluate_run(path: str, batches: int = 0, batch_size: int = 0, as_trained: b
     n_windows = sum(len(x) for x, _ in wins)
     n_params = sum(p.numel() for p in model.parameters())
     return {"run": str(path), "checkpoint": str(ckpt), "step": manifest.get("step"),
-            "n_params": n_params, "val_loss": val, "bits_per_byte": val / math.log(2),
-            "windows": n_windows, "target_bytes": n_windows * block, "dtype": use,
-            "as_trained": as_trained,
-            "unit": "token" if run_cfg.get("init_from") else "byte"}
+            "n_params": n_params, "val_loss": val, "bits_per_byte": bits_per_byte(val, unit),
+            "windows": n_windows, "targets": n_windows * block, "dtype": use,
+            "as_trained": as_trained, "unit": unit_name(unit), **unit}
+
+
+def _relative(r: dict[str, Any], first: dict[str, Any]) -> float:
+    """The loss against the first row's: in bits/byte where the units differ (per token
+    of another tokenizer is not comparable), NaN where that is unknown."""
+    if (r["unit"], r.get("tokenizer")) == (first["unit"], first.get("tokenizer")):
+        return r["val_loss"] / first["val_loss"] - 1
+    if r["bits_per_byte"] is None or first["bits_per_byte"] is None:
+        return math.nan
+    return r["bits_per_byte"] / first["bits_per_byte"] - 1
 
 
 def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
@@ -127,7 +143,8 @@ def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
                     ha="left", va="top", fontsize=8, color="C3")
     ax.set_yticks(range(len(groups)), list(groups))
     ax.invert_yaxis()
-    ax.set_xlabel("validation loss, nats/byte (dots: runs; bar: their mean)")
+    units = sorted({r["unit"] for r in rows})
+    ax.set_xlabel(f"validation loss, {' or '.join(units)} (dots: runs; bar: their mean)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -152,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         return 2
     width = max(len(r["run"]) for r in rows)
-    print(f"{'run':<{width}}  {'step':>6}  {'params':>9}  {'val loss':>9}  {'bits/byte':>9}  "
-          f"{'vs first':>8}  windows")
+    print(f"{'run':<{width}}  {'step':>6}  {'params':>9}  {'val loss':>9}  {'unit':<10}  "
+          f"{'bits/byte':>9}  {'vs first':>8}  windows")
     for r in rows:
-        rel = r["val_loss"] / rows[0]["val_loss"] - 1
+        rel = _relative(r, rows[0])
+        bpb = f"{r['bits_per_byte']:9.4f}" if r["bits_per_byte"] is not None else f"{'?':>9}"
         print(f"{r['run']:<{width}}  {r['step']:>6}  {r['n_params']:>9,}  {r['val_loss']:9.4f}  "
-              f"{r['bits_per_byte']:9.4f}  {rel:+8.2%}  {r['windows']}")
+              f"{r['unit']:<10}  {bpb}  {rel:+8.2%}  {r['windows']}")
+    for tok in sorted({r["tokenizer"] for r in rows if r.get("tokenizer")}):
+        print(f"(nats/token: per token of {tok})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:

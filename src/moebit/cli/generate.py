@@ -31,9 +31,10 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
-from moebit.inference.generate import generate_tokens
+from moebit.inference.generate import eos_token_ids, generate_tokens
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
 from moebit.models.registry import family_of, family_of_folder
 
@@ -56,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
     ap.add_argument("--ep-size", type=int, default=0,
                     help="expert-parallel ranks (default: --nproc when the experts divide by it)")
-    ap.add_argument("--quantize", choices=("none", "int8"), default="none",
-                    help="int8: weight-only int8 experts (per-output-channel scales)")
+    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                    help="int8: weight-only int8 experts (per-output-channel scales); "
+                         "int4: int4 experts (one scale per 32 weights)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                     help="weights and activations of the whole model")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
@@ -98,8 +100,9 @@ def _check(args: argparse.Namespace) -> int:
         for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
             print(f"moebit generate: warning: {line}", file=sys.stderr)
     counts = family_of(cfg).pattern(cfg).expert_counts
-    if args.quantize == "int8" and not counts:
-        raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
+    if args.quantize != "none" and not counts:
+        raise ValueError(f"--quantize {args.quantize} quantizes experts, and {d} holds a "
+                         f"dense model")
     ep = args.ep_size
     if ep == 0:
         ep = args.nproc if counts and all(e % args.nproc == 0 for e in counts) else 1
@@ -131,6 +134,8 @@ def window_warnings(prompts: list[str], max_new_tokens: int, block_size: int) ->
 def _source(path: str) -> tuple[Any, Path, Path | None]:
     """(model config, folder, tokenizer.json or None) of a run, a checkpoint or a Hugging
     Face folder; a run trained ``--init-from`` an HF folder decodes with its tokenizer."""
+    if looks_like_hf_folder(path):  # checked whole first: a corrupt folder is one named error
+        check_folder(path, tokenizer="required")
     fam = family_of_folder(path)
     if fam is not None:
         tok = Path(path) / TOKENIZER_FILE
@@ -161,9 +166,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
         tok_path = _source(args.checkpoint)[2]
         tok = load_tokenizer(tok_path) if tok_path is not None else None
         report = None
-        if args.quantize == "int8":  # before the cast: the report compares with float32 experts
-
-            report = quantize_experts_(model)
+        if args.quantize != "none":  # before the cast: the report compares with float32 experts
+            report = quantize_experts_(model, bits=int(args.quantize[3:]))
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
@@ -172,6 +176,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             model, [_encode(tok, p) for p in prompts], args.max_new_tokens,
             args.temperature, args.top_k or None, args.seed, args.batch,
             args.stop.encode("utf-8") if args.stop else None,
+            eos=eos_token_ids(model.config,
+                              args.checkpoint if family_of_folder(args.checkpoint) else None),
         )
         if info.is_main:
             texts = [_decode(tok, t) for t in res.tokens]

@@ -150,6 +150,22 @@ def _cluster(args: argparse.Namespace, calib: dict[str, Any] | None) -> ClusterS
     return c.with_(**kw) if kw else c
 
 
+# flags whose 0 (or less) would silently mean "the default" or divide by zero
+_POSITIVE = ("micro_batch", "global_batch", "grad_accum", "steps", "freeze_step", "ep_size",
+             "nodes", "devices_per_node")
+
+
+def check_flags(args: argparse.Namespace, names: tuple[str, ...] = _POSITIVE) -> None:
+    """Each given count is >= 1 (and --seq-len >= 0, 0 being the model's): an error names
+    the flag instead of a 0 becoming a default or a ZeroDivisionError."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise SpecError(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+    if getattr(args, "seq_len", 0) < 0:
+        raise SpecError(f"--seq-len must be >= 0, 0 meaning the model's (got {args.seq_len})")
+
+
 def _setup(args: argparse.Namespace, cluster: ClusterSpec, cfg: Any) -> Setup:
     micro = args.micro_batch
     if args.global_batch is not None:
@@ -160,13 +176,15 @@ def _setup(args: argparse.Namespace, cluster: ClusterSpec, cfg: Any) -> Setup:
             raise SpecError(f"setup.global_batch: {args.global_batch} is not a multiple of "
                             f"devices x grad_accum = {per}")
         micro = args.global_batch // per
-    steps = args.steps or (cfg.steps if cfg else 1000)
+    steps = args.steps if args.steps is not None else (cfg.steps if cfg else 1000)
     freeze = args.freeze_step
     if freeze is None and cfg is not None and isinstance(cfg.freeze_step, int):
         freeze = cfg.freeze_step
-    return Setup(micro_batch=micro or (cfg.batch_size if cfg else 16), seq_len=args.seq_len,
-                 grad_accum=args.grad_accum, steps=steps, freeze_step=freeze,
-                 ep_size=args.ep_size or (cfg.moe.ep_size if cfg and cfg.moe else 1),
+    if micro is None:
+        micro = cfg.batch_size if cfg else 16
+    ep = args.ep_size if args.ep_size is not None else (cfg.moe.ep_size if cfg and cfg.moe else 1)
+    return Setup(micro_batch=micro, seq_len=args.seq_len,
+                 grad_accum=args.grad_accum, steps=steps, freeze_step=freeze, ep_size=ep,
                  grad_bytes=_BYTES[args.grad_dtype], a2a_bytes=_BYTES[args.a2a_dtype],
                  hierarchical_a2a=args.hierarchical_a2a, overlap=args.overlap)
 
@@ -194,13 +212,14 @@ def run_plan(argv: list[str]) -> int:
         return 0
     if not args.model:
         raise SpecError("--model: required (a preset, a moebit config or an HF config.json)")
+    check_flags(args)
     model, cfg = load_model(args.model)
     calib = _calibration(args, args.devices_per_node or 2)
     cluster = _cluster(args, calib)
     setup = _setup(args, cluster, cfg)
     opts = _optimizers(args.optimizers)
     rows = compare(model, cluster, setup, opts)
-    print(format_plan(rows, model, cluster))
+    print(format_plan(rows, model, cluster, setup))
     doc = {"model": model.summary(), "cluster": cluster.to_dict(), "setup": vars(setup),
            "calibration": calib, "results": rows}
     if args.plot:
@@ -216,6 +235,7 @@ def run_bench(argv: list[str]) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     args = _bench_parser().parse_args(argv)
+    check_flags(args, ("nproc", "steps"))
     opts = _optimizers(args.optimizers)
     measure_from = args.measure_from if args.measure_from is not None else int(0.6 * args.steps)
     cfg = parse_train_flags(extra)

@@ -24,10 +24,12 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
+from moebit.inference.generate import eos_token_ids
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.registry import family_of, family_of_folder
-from moebit.serve.server import follow, serve_main
+from moebit.serve.server import PortInUse, bind, follow, serve_main
 
 HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
 
@@ -50,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                     help="prompt tokens prefilled per step, over all requests")
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
     ap.add_argument("--ep-size", type=int, default=0, help="expert-parallel ranks (default --nproc)")
-    ap.add_argument("--quantize", choices=("none", "int8"), default="none")
+    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     ap.add_argument("--context", type=int, default=0,
                     help="tokens of context per request (KV-cache columns per slot); 0: the "
@@ -70,6 +72,10 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
     if args.context < 0:
         raise ValueError("--context must be >= 0 (0: the model's own)")
+    if not args.worker:
+        bind(args.host, args.port).close()  # PortInUse now, before loading any model
+    if looks_like_hf_folder(args.checkpoint):  # checked whole first: one named error, no traceback
+        check_folder(args.checkpoint, tokenizer="required")
     fam = family_of_folder(args.checkpoint)
     if fam is not None:
         cfg = fam.read_folder_config(Path(args.checkpoint))
@@ -79,8 +85,9 @@ def check(args: argparse.Namespace) -> int:
         cfg = model_config_of(read_manifest(d), d)
         fam = family_of(cfg)
     counts = fam.pattern(cfg).expert_counts
-    if args.quantize == "int8" and not counts:
-        raise ValueError(f"--quantize int8 quantizes experts, and {d} holds a dense model")
+    if args.quantize != "none" and not counts:
+        raise ValueError(f"--quantize {args.quantize} quantizes experts, and {d} holds a "
+                         f"dense model")
     ep = args.ep_size or args.nproc
     if ep != args.nproc:
         raise ValueError(f"--ep-size {ep} must equal --nproc {args.nproc}: rank 0 holds every "
@@ -110,15 +117,17 @@ def run_rank(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // info.world_size))
     try:
         model, tokenizer = load_for_serving(args, info.rank)
-        if args.quantize == "int8":
-            quantize_experts_(model)
+        if args.quantize != "none":
+            quantize_experts_(model, bits=int(args.quantize[3:]))
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         if info.rank != 0:
             return follow(model)
+        hf_dir = args.checkpoint if family_of_folder(args.checkpoint) is not None else None
         return serve_main(model, tokenizer, args.model_name or args.checkpoint, args.host,
                           args.port, args.max_batch, args.max_queue, args.prefill_chunk,
-                          lockstep=info.world_size > 1, log_level=args.log_level)
+                          lockstep=info.world_size > 1, log_level=args.log_level,
+                          eos=eos_token_ids(model.config, hf_dir))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -132,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         args.ep_size = check(args)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, PortInUse) as e:
         print(f"moebit serve: error: {e}", file=sys.stderr)
         return 2
     if args.nproc == 1:

@@ -27,10 +27,9 @@ import sys
 from typing import Any
 
 from moebit.checkpoint import CheckpointError
-from moebit.models.registry import family_of_folder
 from moebit.models.upcycling import UpcycleSpec
 from moebit.training.config import ConfigError
-from moebit.upcycle.folders import upcycle_folder
+from moebit.upcycle.folders import is_model_folder, upcycle_folder
 from moebit.upcycle.runs import upcycle
 
 # flags of the Hugging Face path only (a run sets these through --set)
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("moebit upcycle: --noise and --router-std must be >= 0", file=sys.stderr)
         return 2
     try:
-        msg = _run_upcycle(args) if family_of_folder(args.run) is None else _hf_upcycle(args)
+        msg = _hf_upcycle(args) if is_model_folder(args.run) else _run_upcycle(args)
     except (CheckpointError, ConfigError, ValueError, KeyError, OSError) as e:
         print(f"moebit upcycle: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, list_complete, read_manifest, verify
 from moebit.cli.args import UsageError
+from moebit.models.hf.folder import check_folder
 from moebit.models.registry import family_of
 from moebit.moe import is_expert_param
 from moebit.training.config import ConfigError, TrainConfig
@@ -141,6 +142,8 @@ def check_run(cfg: TrainConfig, launch: dict[str, Any]) -> Corpus | None:
     check_parallel(cfg, world)
     check_resources(cfg, nproc, bool(launch.get("force")))
     check_run_dir(Path(cfg.run_dir or "runs"))
+    if cfg.init_from:  # weights and tokenizer too, not only config.json: no rank meets them first
+        check_folder(cfg.init_from, tokenizer="optional")
     return check_corpus(cfg)
 
 

@@ -28,8 +28,22 @@ _SOURCE = r"""
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 static float PM1[256][8];
+
+/* the ISA level this library was compiled for (checked by the tests) */
+int mb_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 void mb_init(void) {
     for (int b = 0; b < 256; b++)
@@ -37,7 +51,10 @@ void mb_init(void) {
 }
 
 static inline uint8_t pack8(const float *v) {
-#ifdef __SSE2__
+#if defined(__AVX2__)
+    return (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), _mm256_setzero_ps(),
+                                                     _CMP_GE_OQ));
+#elif defined(__SSE2__)
     __m128 z = _mm_setzero_ps();
     int lo = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(v), z));
     int hi = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(v + 4), z));
@@ -57,8 +74,31 @@ static inline uint8_t pack_tail(const float *v, int64_t r) {
 
 /* out[j] = signs of x[8j..8j+7]; the unused high bits of a last partial byte are 0. */
 void mb_pack(const float *x, int64_t n, uint8_t *out) {
-    int64_t nb = n / 8;
-    for (int64_t j = 0; j < nb; j++) out[j] = pack8(x + 8 * j);
+    int64_t nb = n / 8, j = 0;
+#if defined(__AVX512F__)
+    /* 64 floats -> 8 bytes: four 16-lane compares straight into mask registers */
+    for (; j + 8 <= nb; j += 8) {
+        const float *v = x + 8 * j;
+        const __m512 z = _mm512_setzero_ps();
+        uint64_t m = (uint64_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(v), z, _CMP_GE_OQ)
+                   | (uint64_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(v + 16), z, _CMP_GE_OQ) << 16
+                   | (uint64_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(v + 32), z, _CMP_GE_OQ) << 32
+                   | (uint64_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(v + 48), z, _CMP_GE_OQ) << 48;
+        memcpy(out + j, &m, 8); /* little-endian: byte q holds elements 8q..8q+7 */
+    }
+#elif defined(__AVX2__)
+    /* 32 floats -> 4 bytes, one 32-bit store */
+    for (; j + 4 <= nb; j += 4) {
+        const float *v = x + 8 * j;
+        const __m256 z = _mm256_setzero_ps();
+        uint32_t m = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), z, _CMP_GE_OQ))
+            | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 8), z, _CMP_GE_OQ)) << 8
+            | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 16), z, _CMP_GE_OQ)) << 16
+            | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 24), z, _CMP_GE_OQ)) << 24;
+        memcpy(out + j, &m, 4);
+    }
+#endif
+    for (; j < nb; j++) out[j] = pack8(x + 8 * j);
     if (n % 8) out[nb] = pack_tail(x + 8 * nb, n % 8);
 }
 
@@ -68,6 +108,12 @@ void mb_unpack_scaled(const uint8_t *p, int64_t n, float s, float *out) {
     for (int b = 0; b < 256; b++)
         for (int k = 0; k < 8; k++) t[b][k] = s * PM1[b][k];
     int64_t nb = n / 8;
+#if defined(__AVX2__)
+    if (((uintptr_t)out & 31) == 0) {
+        for (int64_t j = 0; j < nb; j++) _mm256_stream_ps(out + 8 * j, _mm256_loadu_ps(t[p[j]]));
+        _mm_sfence();
+    } else
+#endif
 #ifdef __SSE2__
     if (((uintptr_t)out & 15) == 0) {
         /* Streaming stores: the output is far larger than the caches, and skipping the
@@ -101,6 +147,27 @@ static inline uint8_t ef4x2(__m128 a0, __m128 a1, float *y, __m128 sv, __m128 *a
     acc[1] = _mm_add_ps(acc[1], _mm_mul_ps(v1, v1));
     int bits = _mm_movemask_ps(_mm_cmpge_ps(v0, z)) | (_mm_movemask_ps(_mm_cmpge_ps(v1, z)) << 4);
     return (uint8_t)bits;
+}
+#endif
+
+#ifdef __AVX2__
+/* ef4x2 on one 8-lane vector */
+static inline uint8_t ef8(__m256 a, float *y, __m256 sv, __m256 *acc) {
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 y0 = _mm256_loadu_ps(y);
+    __m256 q = _mm256_xor_ps(sv, _mm256_andnot_ps(_mm256_cmp_ps(y0, z, _CMP_GE_OQ), sign));
+    __m256 v = _mm256_add_ps(a, _mm256_sub_ps(y0, q));
+    _mm256_storeu_ps(y, v);
+    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(v, v));
+    return (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, z, _CMP_GE_OQ));
+}
+
+static inline double hsum8(__m256 *acc) {
+    float t[8];
+    _mm256_storeu_ps(t, *acc);
+    *acc = _mm256_setzero_ps();
+    return ((double)t[0] + t[1] + t[2] + t[3]) + ((double)t[4] + t[5] + t[6] + t[7]);
 }
 #endif
 
@@ -138,7 +205,10 @@ static inline double hsum(
 double mb_worker(const float *x, float *y, float s, int64_t n, uint8_t *out) {
     double total = 0.0;
     int64_t nb = n / 8;
-#ifdef __SSE2__
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 sv = _mm256_set1_ps(s);
+#elif defined(__SSE2__)
     __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
     const __m128 sv = _mm_set1_ps(s);
 #else
@@ -147,7 +217,9 @@ double mb_worker(const float *x, float *y, float s, int64_t n, uint8_t *out) {
     for (int64_t j0 = 0; j0 < nb; j0 += BLOCK) {
         int64_t j1 = j0 + BLOCK < nb ? j0 + BLOCK : nb;
         for (int64_t j = j0; j < j1; j++) {
-#ifdef __SSE2__
+#if defined(__AVX2__)
+            out[j] = ef8(_mm256_loadu_ps(x + 8 * j), y + 8 * j, sv, &acc);
+#elif defined(__SSE2__)
             out[j] = ef4x2(_mm_loadu_ps(x + 8 * j), _mm_loadu_ps(x + 8 * j + 4), y + 8 * j, sv,
                            acc);
 #else
@@ -157,7 +229,11 @@ double mb_worker(const float *x, float *y, float s, int64_t n, uint8_t *out) {
             out[j] = b;
 #endif
         }
+#if defined(__AVX2__)
+        total += hsum8(&acc);
+#else
         total += hsum(acc);
+#endif
     }
     if (n % 8) {
         float a = 0.0f;
@@ -182,7 +258,10 @@ double mb_server(const uint8_t *rows, int64_t stride, int64_t nrows, const float
             for (int k = 0; k < 8; k++) tab[r][b][k] = scales[r] * PM1[b][k];
     double total = 0.0;
     int64_t nb = m / 8;
-#ifdef __SSE2__
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 sv = _mm256_set1_ps(s);
+#elif defined(__SSE2__)
     __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
     const __m128 sv = _mm_set1_ps(s);
 #else
@@ -191,7 +270,12 @@ double mb_server(const uint8_t *rows, int64_t stride, int64_t nrows, const float
     for (int64_t j0 = 0; j0 < nb; j0 += BLOCK) {
         int64_t j1 = j0 + BLOCK < nb ? j0 + BLOCK : nb;
         for (int64_t j = j0; j < j1; j++) {
-#ifdef __SSE2__
+#if defined(__AVX2__)
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t r = 0; r < nrows; r++)
+                a = _mm256_add_ps(a, _mm256_loadu_ps(tab[r][rows[r * stride + j]]));
+            out[j] = ef8(a, z + 8 * j, sv, &acc);
+#elif defined(__SSE2__)
             __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
             for (int64_t r = 0; r < nrows; r++) {
                 const float *tt = tab[r][rows[r * stride + j]];
@@ -209,7 +293,11 @@ double mb_server(const uint8_t *rows, int64_t stride, int64_t nrows, const float
             out[j] = b;
 #endif
         }
+#if defined(__AVX2__)
+        total += hsum8(&acc);
+#else
         total += hsum(acc);
+#endif
     }
     if (m % 8) {
         float t2 = 0.0f;
@@ -234,11 +322,13 @@ void mb_error(const float *y, float s, int64_t n, float *err) {
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_by_isa: dict[str, ctypes.CDLL | None] = {}
 
 
 _VP, _I64, _F32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 _SIGNATURES = {
     "mb_init": ([], None),
+    "mb_isa": ([], ctypes.c_int),
     "mb_pack": ([_VP, _I64, _VP], None),
     "mb_unpack_scaled": ([_VP, _I64, _F32, _VP], None),
     "mb_worker": ([_VP, _VP, _F32, _I64, _VP], _F64),
@@ -247,11 +337,24 @@ _SIGNATURES = {
 }
 
 
+def _open(isa: str | None) -> ctypes.CDLL | None:
+    return open_library("bitpack", _SOURCE, _SIGNATURES, "bit packing",
+                        init=lambda lib: lib.mb_init(), isa=isa)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, building them on first use; None when unavailable (warns once)."""
+    """The compiled kernels for this CPU's ISA level (``_native.select_isa``), building them
+    on first use; None when unavailable (warns once)."""
     global _lib, _tried
     if not _tried:
         _tried = True
-        _lib = open_library("bitpack", _SOURCE, _SIGNATURES, "bit packing",
-                            init=lambda lib: lib.mb_init())
+        _lib = _open(None)
     return _lib
+
+
+def load_isa(isa: str) -> ctypes.CDLL | None:
+    """The kernels compiled for one ISA level (tests and benchmarks compare the levels);
+    the caller checks ``_native.supported_isas()`` first: a level the CPU lacks crashes."""
+    if isa not in _by_isa:
+        _by_isa[isa] = _open(isa)
+    return _by_isa[isa]

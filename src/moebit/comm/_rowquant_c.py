@@ -30,6 +30,20 @@ _SOURCE = r"""
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* the ISA level this library was compiled for (checked by the tests) */
+int rq_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static inline float bf_to_f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
@@ -48,6 +62,21 @@ static float amax_f32(const float *x, int64_t d) {
     float m = 0.0f;
     int nan = 0;
     int64_t j = 0;
+#if defined(__AVX2__)
+    const __m256 absm8 = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps(), un = _mm256_setzero_ps();
+    for (; j + 16 <= d; j += 16) {
+        __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+        un = _mm256_or_ps(un, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q),
+                                           _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+        n0 = _mm256_max_ps(n0, _mm256_and_ps(a, absm8));
+        n1 = _mm256_max_ps(n1, _mm256_and_ps(b, absm8));
+    }
+    float t8[8];
+    _mm256_storeu_ps(t8, _mm256_max_ps(n0, n1));
+    for (int k = 0; k < 8; k++) m = t8[k] > m ? t8[k] : m;
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
 #ifdef __SSE2__
     const __m128 absm = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
     __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(), u = _mm_setzero_ps();
@@ -60,7 +89,7 @@ static float amax_f32(const float *x, int64_t d) {
     float t[4];
     _mm_storeu_ps(t, _mm_max_ps(m0, m1));
     for (int k = 0; k < 4; k++) m = t[k] > m ? t[k] : m;
-    nan = _mm_movemask_ps(u) != 0;
+    nan |= _mm_movemask_ps(u) != 0;
 #endif
     for (; j < d; j++) {
         float a = fabsf(x[j]);
@@ -113,6 +142,19 @@ static inline int8_t q8(float v) {
 /* q[j] = round_half_even(r[j] * inv), inv = 1 / scale; |r[j] * inv| <= 127 plus rounding */
 static void quant_f32(const float *r, int64_t d, float inv, int8_t *q) {
     int64_t j = 0;
+#if defined(__AVX2__)
+    const __m256 sv8 = _mm256_set1_ps(inv);
+    /* packs work within 128-bit lanes: this permutation puts the 32 bytes back in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; j + 32 <= d; j += 32) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + j), sv8));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + j + 8), sv8));
+        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + j + 16), sv8));
+        __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + j + 24), sv8));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(p, order));
+    }
+#endif
 #ifdef __SSE2__
     /* cvtps2dq rounds in the current mode, round to nearest even unless changed */
     const __m128 sv = _mm_set1_ps(inv);
@@ -196,20 +238,35 @@ _KERNELS = {torch.float32: ("rq_encode_f32", "rq_decode_f32"),
             torch.bfloat16: ("rq_encode_bf16", "rq_decode_bf16")}
 _lib: ctypes.CDLL | None = None
 _tried = False
+_by_isa: dict[str, ctypes.CDLL | None] = {}
 
 
 _ROW_SIGNATURE = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None)
 
 
+def _open(isa: str | None) -> ctypes.CDLL | None:
+    names = [n for pair in _KERNELS.values() for n in pair]
+    sigs = {**dict.fromkeys(names, _ROW_SIGNATURE), "rq_isa": ([], ctypes.c_int)}
+    return open_library("rowquant", _SOURCE, sigs, "int8 row quantization", libs=["-lm"],
+                        isa=isa)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None when unavailable (warns once)."""
+    """The compiled kernels for this CPU's ISA level, built on first use; None when
+    unavailable (warns once)."""
     global _lib, _tried
     if not _tried:
         _tried = True
-        names = [n for pair in _KERNELS.values() for n in pair]
-        _lib = open_library("rowquant", _SOURCE, dict.fromkeys(names, _ROW_SIGNATURE),
-                            "int8 row quantization", libs=["-lm"])
+        _lib = _open(None)
     return _lib
+
+
+def load_isa(isa: str) -> ctypes.CDLL | None:
+    """The kernels compiled for one ISA level (tests compare the levels); the caller checks
+    ``_native.supported_isas()`` first: a level the CPU lacks crashes."""
+    if isa not in _by_isa:
+        _by_isa[isa] = _open(isa)
+    return _by_isa[isa]
 
 
 def _usable(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -70,7 +70,7 @@ class CommStats:
         return out
 
 
-KINDS = ("a2a", "exact", "onebit", "outer", "ddp_hook", "other")
+KINDS = ("a2a", "exact", "onebit", "outer", "ddp_hook", "rs", "ag", "other")
 
 
 def kind_of(op: str) -> str:
@@ -81,13 +81,19 @@ def kind_of(op: str) -> str:
     (``moebit.optim.outer``, every compression: fp32, bf16, int8, 1-bit), kept apart because
     they happen once per H steps; ``exact``: full-precision gradient or optimizer-state
     averages (plain allreduces, 1-bit Adam's warm-up, DDP); ``ddp_hook``: torch's
-    compressing DDP hooks run as benchmark peers (PowerSGD, fp16); ``other``: small
-    control collectives (NaN verdict, freeze check).
+    compressing DDP hooks run as benchmark peers (PowerSGD, fp16); ``rs`` / ``ag``: sharded
+    training's gradient reduce-scatters and parameter all-gathers (``fsdp.rs.*``,
+    ``fsdp.ag.*``, exact or compressed); ``other``: small control collectives (NaN
+    verdict, freeze check).
     """
     if op.startswith("moe.all_to_all"):
         return "a2a"
     if op.startswith("outer."):
         return "outer"
+    if op.startswith("fsdp.rs."):
+        return "rs"
+    if op.startswith("fsdp.ag."):
+        return "ag"
     if op.startswith("onebit."):
         return "onebit"
     if op in ("ddp.powersgd", "ddp.fp16"):

@@ -1,4 +1,5 @@
-"""Batched KV-cache generation for dense, MoE and PR-MoE GPTs, on one rank or many.
+"""Batched KV-cache generation for any ``CausalLM`` (moebit's GPTs, the Hugging Face
+families), dense or MoE, on one rank or many.
 
     model = load_model("runs/a")                       # moebit.inference.loading: newest checkpoint of a run
     texts = generate(model, ["def ", "class "], max_new_tokens=64, temperature=0)
@@ -24,19 +25,27 @@ runs one (a prefill, a decode step, or an empty forward of a zero-row batch that
 serves its experts), and a one-int allreduce per step tells everyone whether any rank
 still has work. A rank whose sequences are finished keeps serving until then (DeepSpeed
 hangs there, #6634).
+
+Tokens are drawn by ``moebit.inference.sampling`` (the sampler ``moebit serve`` uses too);
+a row ends at ``max_new_tokens``, at the context's end, on a ``stop`` byte string, or on an
+end-of-sequence token (``eos_token_ids``: a Hugging Face model's ``eos_token_id``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moebit.models.gpt import GPT
+from moebit.inference.sampling import SamplingParams, sample_rows
+from moebit.models.interface import CausalLM, device_of
 from moebit.moe import TopKGate
 
 NEWLINE = 10  # an empty prompt starts from a newline byte
@@ -61,29 +70,48 @@ def dropless(model: torch.nn.Module) -> Iterator[None]:
 # ----------------------------------------------------------------------------- decoding
 
 
-def _idle_forward(model: GPT) -> None:
+def idle_forward(model: CausalLM) -> None:
     """Serve this rank's experts for one step with no tokens of its own (expert parallel):
-    the model's forward on a zero-row batch, whose MoE layers still join the all-to-all."""
-    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=next(model.parameters()).device)
+    the model's forward on a zero-row batch, whose MoE layers still join the all-to-all.
+    ``generate`` (a rank with no prompts left) and ``moebit serve``'s follower ranks both
+    run this one."""
+    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=device_of(model))
     model(empty_01, cache=model.new_cache(0, 1), logits_to_keep=1)
 
 
-def _sample(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
-            gens: Sequence[torch.Generator]) -> list[int]:
-    if temperature == 0:
-        return logits_BV.argmax(-1).tolist()
-    logits_BV = logits_BV.cpu() / temperature
-    if top_k is not None and top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    probs_BV = torch.softmax(logits_BV, dim=-1)
-    # one generator per prompt: a prompt's text does not depend on its batch or rank
-    return [int(torch.multinomial(probs_BV[i], 1, generator=g)) for i, g in enumerate(gens)]
+def _ids_of(value: Any) -> list[int]:
+    """An ``eos_token_id`` as Hugging Face writes it (an int, a list of ints, or null)."""
+    if value is None:
+        return []
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    ids = [value] if isinstance(value, int) else value
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return list(ids)
+
+
+def eos_token_ids(config: Any, folder: str | Path | None = None) -> list[int]:
+    """The token ids that end a sequence, as transformers' ``generate`` takes them: the
+    folder's ``generation_config.json`` ``eos_token_id`` when it sets one, else the model
+    config's (``config.json``); each an int or a list. A moebit GPT (bytes) has none: a
+    byte model ends on ``stop`` strings or length."""
+    if folder is not None:
+        gen_file = Path(folder) / "generation_config.json"
+        if gen_file.is_file():
+            try:
+                gen = json.loads(gen_file.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{gen_file} is not valid JSON: {e}") from None
+            if gen.get("eos_token_id") is not None:
+                return _ids_of(gen["eos_token_id"])
+    return _ids_of(getattr(config, "eos_token_id", None))
 
 
 @dataclass
 class GenerationResult:
-    tokens: list[list[int]]  # new tokens of each prompt, in prompt order
+    tokens: list[list[int]]  # new tokens of each prompt, in prompt order (an EOS kept)
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop) or "length"
     prefill_s: float = 0.0  # this rank's time in prefill forwards
     decode_s: float = 0.0  # this rank's time in decode forwards (sampling included)
     decode_steps: int = 0  # decode forwards this rank ran with live rows
@@ -94,10 +122,11 @@ class GenerationResult:
 class _BatchRun:
     """One mini-batch of prompts being decoded: left-padded ids, its cache, per-row state."""
 
-    def __init__(self, model: GPT, prompts: list[list[int]], budgets: list[int],
-                 gens: list[torch.Generator], stop: bytes | None) -> None:
-        dev = next(model.parameters()).device
+    def __init__(self, model: CausalLM, prompts: list[list[int]], budgets: list[int],
+                 gens: list[torch.Generator], stop: bytes | None, eos: frozenset[int]) -> None:
+        dev = device_of(model)
         self.model, self.budgets, self.gens, self.stop = model, budgets, gens, stop
+        self.eos = eos
         tmax = max(len(p) for p in prompts)
         self.cache = model.new_cache(len(prompts), tmax + max(budgets),
                                      starts=[tmax - len(p) for p in prompts])
@@ -106,6 +135,7 @@ class _BatchRun:
             ids[i, tmax - len(p):] = torch.tensor(p, device=dev)
         self.ids_BT = ids  # the prompts, then the last token of each row
         self.new: list[list[int]] = [[] for _ in prompts]
+        self.reasons = ["length"] * len(prompts)
         self.live = [b > 0 for b in budgets]
         for i, alive in enumerate(self.live):
             if not alive:
@@ -116,18 +146,21 @@ class _BatchRun:
     def done(self) -> bool:
         return not any(self.live)
 
-    def step(self, temperature: float, top_k: int | None) -> None:
+    def step(self, params: SamplingParams) -> None:
         """One forward (the prefill, then one decode step each call) and one token per live row."""
         logits_BV = self.model(self.ids_BT, cache=self.cache, logits_to_keep=1).logits[:, -1]
         self.prefilled = True
-        nxt = _sample(logits_BV.float(), temperature, top_k, self.gens)
+        # one generator per prompt: a prompt's text does not depend on its batch or rank
+        nxt = sample_rows(logits_BV, [params] * len(self.gens), self.gens)
         for i, tok in enumerate(nxt):
             if not self.live[i]:
                 continue
             self.new[i].append(tok)
-            if len(self.new[i]) >= self.budgets[i] or (
-                self.stop and bytes(self.new[i][-len(self.stop):]) == self.stop
-            ):
+            stopped = tok in self.eos or bool(
+                self.stop and bytes(self.new[i][-len(self.stop):]) == self.stop)
+            if stopped:
+                self.reasons[i] = "stop"
+            if stopped or len(self.new[i]) >= self.budgets[i]:
                 self.live[i] = False
                 self.cache.finish(i)
         last = [r[-1] if r else 0 for r in self.new]
@@ -146,7 +179,7 @@ def _any_rank_busy(busy: bool) -> bool:
 
 @torch.no_grad()
 def generate_tokens(
-    model: GPT,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 64,
     temperature: float = 0.8,
@@ -155,16 +188,21 @@ def generate_tokens(
     batch_size: int = 32,
     stop: bytes | None = None,
     shard: bool | None = None,
+    eos: Sequence[int] | None = None,
 ) -> GenerationResult:
-    """Token-level generation; see ``generate``. Prompts are lists of byte ids."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    """Token-level generation; see ``generate``. Prompts are lists of token ids.
+
+    ``eos``: token ids that end a row (kept as its last token, finish reason "stop"), as
+    transformers' ``generate`` does; None: the model config's ``eos_token_id`` (none for
+    a moebit GPT), ``[]``: never stop early. ``eos_token_ids(config, folder)`` also reads a
+    Hugging Face folder's ``generation_config.json``.
+    """
+    params = _params(temperature, top_k)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    eos_set = frozenset(eos_token_ids(model.config) if eos is None else eos)
     bs = model.config.block_size
     ids_all = [list(p)[-(bs - 1):] or [NEWLINE] for p in prompts]
     budgets_all = [min(max_new_tokens, bs - len(p)) for p in ids_all]
@@ -178,39 +216,50 @@ def generate_tokens(
         mine = mine[rank * per:(rank + 1) * per]
     runs = (
         _BatchRun(model, [ids_all[j] for j in chunk], [budgets_all[j] for j in chunk],
-                  [torch.Generator().manual_seed(seed * 1_000_003 + j) for j in chunk], stop)
+                  [torch.Generator().manual_seed(seed * 1_000_003 + j) for j in chunk], stop,
+                  eos_set)
         for chunk in (mine[i:i + batch_size] for i in range(0, len(mine), batch_size))
     )
     res = GenerationResult(tokens=[])
     was_training = model.training
     model.eval()
     try:
-        out = _decode(model, mine, runs, distributed and model.ep_groups is not None,
-                      temperature, top_k, res)
+        out = _decode(model, mine, runs, distributed and model.ep_groups is not None, params, res)
     finally:
         model.train(was_training)
     if shard and world > 1:
-        gathered: list[dict[int, list[int]] | None] = [None] * world
+        gathered: list[dict[int, tuple[list[int], str]] | None] = [None] * world
         dist.all_gather_object(gathered, out)
         for g in gathered:
             out.update(g or {})
-    res.tokens = [out[j] for j in range(len(ids_all))]
+    res.tokens = [out[j][0] for j in range(len(ids_all))]
+    res.finish_reasons = [out[j][1] for j in range(len(ids_all))]
     return res
 
 
-def _decode(model: GPT, mine: list[int], runs: Iterator[_BatchRun], lockstep: bool,
-            temperature: float, top_k: int | None, res: GenerationResult) -> dict[int, list[int]]:
+def _params(temperature: float, top_k: int | None) -> SamplingParams:
+    """``generate``'s two knobs as the sampler's parameters (one sampler for all decoding)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    return SamplingParams(temperature=float(temperature), top_k=top_k or 0)
+
+
+def _decode(model: CausalLM, mine: list[int], runs: Iterator[_BatchRun], lockstep: bool,
+            params: SamplingParams, res: GenerationResult) -> dict[int, tuple[list[int], str]]:
     """Decode the mini-batches one after another; each global step is one forward.
 
     ``lockstep`` (expert parallel across ranks): every rank runs a forward per step, an
     empty one when it has nothing left, until the allreduce says no rank is busy.
+    Returns prompt index -> (its new tokens, its finish reason).
     """
-    new: list[list[int]] = []  # new tokens of ``mine``'s prompts, in order
+    new: list[tuple[list[int], str]] = []  # ``mine``'s prompts, in order
     run: _BatchRun | None = None
     while True:
         while run is None or run.done:
             if run is not None:
-                new += run.new
+                new += zip(run.new, run.reasons, strict=True)
             run = next(runs, None)
             if run is None:
                 break
@@ -219,11 +268,11 @@ def _decode(model: GPT, mine: list[int], runs: Iterator[_BatchRun], lockstep: bo
             break
         res.global_steps += 1
         if run is None:
-            _idle_forward(model)
+            idle_forward(model)
             continue
         t0 = time.perf_counter()
         prefill = not run.prefilled
-        run.step(temperature, top_k)
+        run.step(params)
         dt = time.perf_counter() - t0
         if prefill:
             res.prefill_s += dt
@@ -235,7 +284,7 @@ def _decode(model: GPT, mine: list[int], runs: Iterator[_BatchRun], lockstep: bo
 
 
 def generate(
-    model: GPT,
+    model: CausalLM,
     prompts: list[str],
     max_new_tokens: int = 64,
     temperature: float = 0.8,
@@ -248,10 +297,13 @@ def generate(
 ) -> list[str]:
     """Continue each prompt; returns the continuations (without the prompt), in order.
 
-    ``temperature=0`` is greedy. Sampling uses one generator per prompt (seeded from
-    ``seed`` and the prompt's index), so a prompt's text does not depend on the batch it
-    was decoded in, nor on the rank. ``batch_size`` prompts are decoded together;
-    ``stop``: a row ends once its text ends with this string (kept in the output).
+    For moebit's byte-level GPT (prompts and texts are UTF-8 bytes; use ``generate_tokens``
+    for a Hugging Face model's token ids). ``temperature=0`` (or below 1e-5) is greedy.
+    Sampling uses one generator per prompt (seeded from ``seed`` and the prompt's index),
+    so a prompt's text does not depend on the batch it was decoded in, nor on the rank.
+    ``batch_size`` prompts are decoded together; ``stop``: a row ends once its text ends
+    with this string (kept in the output); a byte model has no end-of-sequence byte, so
+    ``stop`` and ``max_new_tokens`` are what end a row.
     ``shard`` (default: whenever a process group of more than one rank is up): split the
     prompts across ranks and gather the texts; every rank must call with the same prompts.
     ``use_cache=False`` recomputes the whole sequence every step, one prompt at a time,
@@ -263,17 +315,18 @@ def generate(
         toks = generate_tokens(model, ids, max_new_tokens, temperature, top_k, seed,
                                batch_size, stop_b, shard).tokens
     else:
-        toks = _generate_recompute(model, ids, max_new_tokens, temperature, top_k, seed, stop_b)
+        toks = _generate_recompute(model, ids, max_new_tokens, _params(temperature, top_k),
+                                   seed, stop_b, frozenset(eos_token_ids(model.config)))
     return [bytes(t).decode("utf-8", errors="replace") for t in toks]
 
 
 @torch.no_grad()
-def _generate_recompute(model: GPT, prompts: list[list[int]], max_new_tokens: int,
-                        temperature: float, top_k: int | None, seed: int,
-                        stop: bytes | None) -> list[list[int]]:
+def _generate_recompute(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
+                        params: SamplingParams, seed: int, stop: bytes | None,
+                        eos: frozenset[int]) -> list[list[int]]:
     """No cache, no batching, no sharding: every rank runs every prompt the same way."""
     bs = model.config.block_size
-    dev = next(model.parameters()).device
+    dev = device_of(model)
     was_training = model.training
     model.eval()
     outs = []
@@ -285,9 +338,9 @@ def _generate_recompute(model: GPT, prompts: list[list[int]], max_new_tokens: in
                 new: list[int] = []
                 for _ in range(min(max_new_tokens, bs - len(ids))):
                     idx = torch.tensor([ids + new], device=dev)
-                    logits = model(idx).logits[:, -1].float()
-                    new.append(_sample(logits, temperature, top_k, [gen])[0])
-                    if stop and bytes(new[-len(stop):]) == stop:
+                    logits = model(idx).logits[:, -1]
+                    new.append(sample_rows(logits, [params], [gen])[0])
+                    if new[-1] in eos or (stop and bytes(new[-len(stop):]) == stop):
                         break
                 outs.append(new)
     finally:

@@ -23,7 +23,7 @@ from torch import nn
 
 from moebit.moe import is_expert_param
 
-__all__ = ["CausalLM", "ModelOutput", "is_expert_param"]
+__all__ = ["CausalLM", "ModelOutput", "device_of", "is_expert_param"]
 
 
 @dataclass
@@ -49,3 +49,9 @@ class CausalLM(Protocol):
     def num_params(self) -> int: ...
 
     def num_expert_params(self) -> int: ...
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where a model's input ids go: the device of its first parameter (decoding and serving
+    build their id tensors there without knowing the family's embedding's name)."""
+    return next(model.parameters()).device

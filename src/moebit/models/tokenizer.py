@@ -1,25 +1,42 @@
-"""The server's tokenizer interface, and the byte tokenizer of moebit's byte-level models.
+"""The server's tokenizer interface, the byte tokenizer, and Hugging Face chat templates.
 
 A tokenizer for the server is anything with ``encode(text) -> ids``, ``decode(ids) ->
 text``, a ``vocab_size`` and optionally ``apply_chat_template(messages) -> text`` (a
 Hugging Face tokenizer wrapped in a few lines fits; ``chat_template`` None means the chat
-endpoint refuses requests). The byte tokenizer is the default: moebit models see UTF-8
-bytes (vocab 256).
+endpoint refuses requests), ``bos_id`` (what an empty prompt starts from) and
+``max_token_bytes`` (the longest token's text: a prompt of more than ``context *
+max_token_bytes`` bytes cannot fit, and is refused before it is tokenized). The byte
+tokenizer is the default: moebit models see UTF-8 bytes (vocab 256).
+
+Chat templates render as transformers' ``apply_chat_template`` does: a sandboxed Jinja
+environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension,
+``raise_exception``, ``strftime_now`` and a ``tojson`` that does not escape HTML, the
+tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) as variables, and
+``add_generation_prompt=True``. A folder's template is ``chat_template.jinja`` (what
+transformers 5 writes) or else ``tokenizer_config.json``'s ``chat_template``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2  # torch's own dependency: renders Hugging Face chat templates
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moebit.models.hf.tokens import load_tokenizer
 
 NEWLINE = 10  # an empty prompt starts from a newline byte, as in moebit generate
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# the named special tokens transformers hands every chat template (special_tokens_map)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                  "cls_token", "mask_token")
 
 
 class Tokenizer(Protocol):
@@ -30,16 +47,22 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-def simple_chat_template(messages: list[dict[str, str]]) -> str:
+class ChatTemplateError(ValueError):
+    """The chat template failed on these messages (``raise_exception``, a Jinja error)."""
+
+
+def simple_chat_template(messages: list[dict[str, Any]]) -> str:
     """``role: content`` lines, then ``assistant:``: a plain template for byte models."""
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
     return "\n".join(lines) + "\nassistant:"
 
 
 @dataclass
 class ByteTokenizer:
     vocab_size: int = 256
-    chat_template: Callable[[list[dict[str, str]]], str] | None = simple_chat_template
+    chat_template: Callable[[list[dict[str, Any]]], str] | None = simple_chat_template
+    bos_id: int | None = None  # an empty text is already a newline byte
+    max_token_bytes: int = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8")) or [NEWLINE]
@@ -47,16 +70,87 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if self.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
+            raise ChatTemplateError("this model's tokenizer has no chat template")
         return self.chat_template(messages)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A template compiled in transformers' environment (cached: compiling is the slow part)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+
+
+def render_chat(source: str, messages: list[dict[str, Any]], special: dict[str, str] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """``messages`` through the Jinja template ``source``, as transformers renders it; any
+    failure of the template is a ChatTemplateError (a 400 for the server)."""
+    plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    template = compile_chat_template(source)
+    try:
+        return template.render(messages=plain, tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **(special or {}))
+    except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError,
+            IndexError, AttributeError) as e:
+        raise ChatTemplateError(f"the chat template failed: {e}") from None
+
+
+def _token_text(v: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def _read_json(f: Path) -> dict[str, Any]:
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def read_chat_template(folder: str | Path) -> str | None:
+    """The folder's chat template: ``chat_template.jinja`` (transformers 5), else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates
+    whose "default" is taken); None when it has none."""
+    jinja_file = Path(folder) / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    t = _read_json(Path(folder) / "tokenizer_config.json").get("chat_template")
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default")
+    return t if isinstance(t, str) else None
 
 
 @dataclass
 class HFTokenizer:
     """A Hugging Face folder's ``tokenizer.json`` (through the ``tokenizers`` library), with
-    the folder's Jinja chat template (``tokenizer_config.json``) when it has one."""
+    the folder's Jinja chat template when it has one."""
 
     tokenizer: Any
     chat_template: str | None = None
@@ -66,14 +160,25 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size())
 
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS token's id (an empty prompt starts from it), None when there is none."""
+        bos = (self.special or {}).get("bos_token")
+        return None if bos is None else self.tokenizer.token_to_id(bos)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes one token stands for: the longest vocabulary
+        entry's own UTF-8 length (a byte-level entry like "Ġhello" is longer than its text)."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8")) for t in vocab), default=1)
+
     @classmethod
     def from_folder(cls, folder: str | Path) -> HFTokenizer:
-        cfg_file = Path(folder) / "tokenizer_config.json"
-        meta = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        special = {k: v if isinstance(v, str) else (v or {}).get("content", "")
-                   for k, v in meta.items() if k in ("bos_token", "eos_token")}
-        template = meta.get("chat_template")
-        return cls(load_tokenizer(folder), template if isinstance(template, str) else None, special)
+        meta = {**_read_json(Path(folder) / "special_tokens_map.json"),
+                **_read_json(Path(folder) / "tokenizer_config.json")}
+        special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(meta.get(k))) is not None}
+        return cls(load_tokenizer(folder), read_chat_template(folder), special)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -81,8 +186,8 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if self.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json)")
-        return jinja2.Template(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, **(self.special or {}))
+            raise ChatTemplateError("this model's tokenizer has no chat template "
+                                    f"({CHAT_TEMPLATE_FILE} or tokenizer_config.json)")
+        return render_chat(self.chat_template, messages, self.special)

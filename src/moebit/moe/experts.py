@@ -19,34 +19,25 @@ Kernels (``kernel``; the code is in ``moebit.moe.kernels``, ``moebit.moe.threade
 (batched matmuls over blocks padded to the largest), "grouped"
 (``torch.nn.functional.grouped_mm``) and "auto".
 
-What "auto" picks on CPU with more than one intra-op thread: "threaded". Measured in
-process, interleaved, on a loaded 2-core host (issue 16, SwiGLU d 512, f 1360, top-2,
-dropless): the Mixtral MoE block forward+backward on 2048 tokens over 16 experts took
-1204 ms (median; best 962) against 2851 ms for the loop and 2353 ms for transformers'
-grouped_mm experts, using 663 ms of CPU against 1650 and 1488 (the loop's and
-grouped_mm's per-expert GEMMs split over 2 threads spend the rest waiting at barriers);
-in inference mode at E=64 it was faster than the loop from 1 token to 512 (best of 15),
-but decoding the 4-layer Mixtral of issue 16 at E=16 on a quiet host (one process,
-interleaved, medians of 3) it was slower: 10.6 against 7.0 ms per step at batch 1, 56.6
-against 40.1 ms at batch 16 (1-3 rows per expert), so auto takes it only for blocks of at
-least ``threaded_min_rows`` = 64 rows on average.
+What "auto" picks on CPU: whichever candidate ran fastest here, measured on first use
+(``moebit.moe.autotune``): the first forward for a problem key (expert type, shapes,
+dtype, thread count, training or inference, and the total rows, rows per busy expert and
+busy experts each rounded up to a power of two) times every candidate on that call's
+real blocks (forward in inference, forward+backward in training; interleaved, median of
+5) and caches the fastest on disk per machine (CPU model, ISA, torch version). The
+candidates: "loop" always; "padded" where padding adds at most ``pad_limit`` (25%) rows
+(a memory bound, not a timing rule: skewed or dropless routing would otherwise pad to
+E x S rows); "threaded" with more than one intra-op thread and more than one busy
+expert; "grouped" where this torch's CPU grouped_mm runs for the dtype. With
+``MOEBIT_AUTOTUNE=0`` auto runs "loop", deterministically. ``moebit bench moe`` prints
+each choice with every candidate's time.
 
-What "auto" picks with one thread, from measurements (docs/benchmarks.md, 2 threads at
-the time, d 512, f 2048):
+Why measure instead of a rule: the measurements that once set thresholds here disagree
+across hosts and loads (docs/benchmarks/huggingface.md, docs/benchmarks/swiglu-experts.md):
+on a quiet 2-core host the threaded kernel beat the loop 2.4x for 2048-token training
+blocks yet lost 1.5x when decoding at 1-3 rows per expert, and on a loaded host the padded
+SwiGLU kernel beat the loop by 13-35% on blocks where the quiet host's rule took the loop.
 
-- padded against loop, on the whole GELU layer (4096 tokens, top-2 over 64 experts,
-  capacity factor 1, medians of 5): forward+backward 954 ms padded against 1036 ms for the
-  loop in float32, 470 against 516 ms in bfloat16. With larger blocks (E=8, 512-1024 rows)
-  one matmul per block already keeps both threads busy, and with skewed or dropless
-  routing padding would cost up to E x S rows, so auto pads only small blocks (at most
-  ``pad_below_rows`` = 192 rows on average) when padding adds at most ``pad_limit`` (25%).
-- grouped on CPU: torch 2.13's CPU grouped_mm is slower than the per-expert loop at every
-  shape measured (one [rows, 512] x [512, 2048] product per expert: E=64 x 128 rows 99-116
-  against 80-97 ms in float32, 47-53 against 33 ms in bf16; E=8 x 1024 rows 81 against
-  66-68 ms, 27 against 12-23 ms), so auto never picks it on CPU.
-- on a heavily loaded host (load 17-29 on 2 cores, docs/benchmarks.md issue 15) the padded
-  SwiGLU kernel beat the loop by 13-35% even on dropless, uneven blocks, where this rule
-  picks the loop; the rule stays as measured on the quiet host until a quiet re-run.
 - grouped on CUDA (sm80+, where ``grouped_mm_supported``): picked by auto. Not measured
   here (no GPU was lent to this work): one grouped GEMM per projection replaces E kernel
   launches per projection, which is the reason torchtitan and Megatron-Core default to it.
@@ -59,12 +50,34 @@ import math
 import torch
 from torch import nn
 
+from moebit.moe import autotune
 from moebit.moe.grouped import _GroupedExperts, grouped_mm_supported
 from moebit.moe.kernels import EXPERT_TYPES, _LoopExperts, _PaddedExperts
 from moebit.moe.threaded import _ThreadedExperts
 
 _KERNEL_FNS = {"loop": _LoopExperts, "padded": _PaddedExperts, "grouped": _GroupedExperts,
                "threaded": _ThreadedExperts}
+
+
+def _timed_call(fn, args: tuple, counts: list[int], kind: str, train: bool):
+    """One run of kernel ``fn`` on copies of the inputs that share their storage:
+    forward only in inference, forward+backward in training (gradients are discarded)."""
+    if not train:
+        def run() -> None:
+            with torch.no_grad(), torch.autocast(args[0].device.type, enabled=False):
+                fn.apply(*args, list(counts), 1.0, kind)
+        return run
+    leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad or i > 0)
+              for i, t in enumerate(args)]
+
+    def run_train() -> None:
+        with torch.enable_grad(), torch.autocast(args[0].device.type, enabled=False):
+            y = fn.apply(*leaves, list(counts), 1.0, kind)
+            y.backward(torch.ones_like(y))
+        for t in leaves:
+            if t is not None:
+                t.grad = None
+    return run_train
 
 
 class Experts(nn.Module):
@@ -80,9 +93,11 @@ class Experts(nn.Module):
     averaging it over the expert-data-parallel group (world/ep_size ranks) yields the
     same mean over all ranks that the dense parameters get from a world allreduce.
 
-    ``kernel`` ("auto", "loop", "padded", "grouped") may be changed at any time; auto's
-    rule is in the module docstring. The padded path's memory is bounded by ``pad_limit``,
-    so skewed or dropless routing never pads E x S rows.
+    ``kernel`` ("auto", "loop", "padded", "grouped", "threaded") may be changed at any
+    time; auto measures its candidates (module docstring). The padded path's memory is
+    bounded by ``pad_limit``, so skewed or dropless routing never pads E x S rows.
+    ``last_tuned`` holds auto's most recent measurement (``autotune.Tuned``: choice and
+    every candidate's time), ``tuned`` every choice this module used, by problem key.
     """
 
     KERNELS = ("auto", "loop", "padded", "grouped", "threaded")
@@ -124,10 +139,8 @@ class Experts(nn.Module):
         self.grad_scale = 1.0
         self.kernel = kernel
         self.pad_limit = 0.25
-        self.pad_below_rows = 192
-        # threaded only for blocks of at least this many rows on average (training, long
-        # prefills): at decode's 1-3 rows per expert its hand-off costs more than it saves
-        self.threaded_min_rows = 64
+        self.last_tuned: autotune.Tuned | None = None
+        self.tuned: dict[str, autotune.Tuned] = {}  # auto's choices by problem key
         kw = {"dtype": dtype, "device": device}
         if gated:
             self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * d_ffn, d_model, **kw))
@@ -183,21 +196,47 @@ class Experts(nn.Module):
             b_up, b_down = (None if b is None else b.to(dt) for b in (b_up, b_down))
         elif x_ND.dtype != w_up.dtype:
             x_ND = x_ND.to(w_up.dtype)
-        fn = _KERNEL_FNS[self.choose_kernel(counts, x_ND.device, x_ND.dtype)]
+        args = (x_ND, w_up, b_up, w_down, b_down)
+        fn = _KERNEL_FNS[self._pick(counts, args)]
         with torch.autocast(dev, enabled=False):
-            return fn.apply(x_ND, w_up, b_up, w_down, b_down, list(counts), self.grad_scale,
-                            self.expert_type)
+            return fn.apply(*args, list(counts), self.grad_scale, self.expert_type)
+
+    def candidates(self, counts: list[int], device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32, threads: int | None = None) -> list[str]:
+        """The kernels auto may take for these blocks on CPU ("loop" first)."""
+        rows, n = sum(counts), len(counts)
+        threads = torch.get_num_threads() if threads is None else threads
+        out = ["loop"]
+        if n > 1 and n * max(counts) <= (1 + self.pad_limit) * rows:
+            out.append("padded")
+        if threads > 1 and sum(1 for c in counts if c) > 1:
+            out.append("threaded")
+        if grouped_mm_supported(device, dtype):
+            out.append("grouped")
+        return out
+
+    def tune_key(self, counts: list[int], dtype: torch.dtype, threads: int, train: bool) -> str:
+        """The autotune problem key: shapes, dtype, threads, mode and bucketed row counts."""
+        rows = sum(counts)
+        busy = max(1, sum(1 for c in counts if c))
+        b = autotune.rows_bucket
+        return (f"experts|{self.expert_type}|bias={self.has_bias}|E={len(counts)}|"
+                f"d={self.d_model}|f={self.d_ffn}|{str(dtype).removeprefix('torch.')}|"
+                f"threads={threads}|{'train' if train else 'infer'}|rows={b(rows)}|"
+                f"per_expert={b(-(-rows // busy))}|busy={b(busy)}")
 
     def choose_kernel(
         self, counts: list[int], device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32, threads: int | None = None,
+        train: bool | None = None,
     ) -> str:
-        """The kernel this call runs: ``kernel`` itself, or auto's measured rule
-        (``threads``: the intra-op thread count; default ``torch.get_num_threads()``)."""
+        """The kernel this call runs: ``kernel`` itself, or for auto the only candidate, the
+        choice measured for these blocks (see ``autotune``), else "loop" (nothing measured
+        yet, or ``MOEBIT_AUTOTUNE=0``). ``threads``: default ``torch.get_num_threads()``;
+        ``train``: default ``torch.is_grad_enabled()``."""
         if self.kernel not in self.KERNELS:
             raise ValueError(f"Experts.kernel must be one of {self.KERNELS}, got {self.kernel!r}")
-        rows, n = sum(counts), len(counts)
-        if rows == 0:
+        if sum(counts) == 0:
             return "loop"  # nothing to multiply: the loop allocates empty outputs only
         if self.kernel == "grouped":
             if not grouped_mm_supported(device, dtype):
@@ -208,19 +247,39 @@ class Experts(nn.Module):
             return "grouped"
         if self.kernel != "auto":
             return self.kernel
-        if torch.device(device).type == "cuda" and grouped_mm_supported(device, dtype):
-            return "grouped"
+        if torch.device(device).type == "cuda":
+            return "grouped" if grouped_mm_supported(device, dtype) else "loop"
+        cands = self.candidates(counts, device, dtype, threads)
+        if len(cands) == 1:
+            return "loop"
         threads = torch.get_num_threads() if threads is None else threads
-        busy = sum(1 for c in counts if c)
-        if (torch.device(device).type == "cpu" and threads > 1 and busy > 1
-                and rows >= self.threaded_min_rows * busy):
-            return "threaded"
-        padded = (n > 1 and rows <= self.pad_below_rows * n
-                  and n * max(counts) <= (1 + self.pad_limit) * rows)
-        return "padded" if padded else "loop"
+        train = torch.is_grad_enabled() if train is None else train
+        hit = autotune.cached(self.tune_key(counts, dtype, threads, train))
+        return hit.choice if hit is not None and hit.choice in cands else "loop"
+
+    def _pick(self, counts: list[int], args: tuple) -> str:
+        """``choose_kernel``, but auto on CPU measures its candidates on these inputs (once
+        per problem key and machine) where no choice is known yet."""
+        x_ND = args[0]
+        if (self.kernel != "auto" or x_ND.device.type != "cpu" or not autotune.enabled()
+                or sum(counts) == 0):
+            return self.choose_kernel(counts, x_ND.device, x_ND.dtype)
+        cands = self.candidates(counts, x_ND.device, x_ND.dtype)
+        if len(cands) == 1:
+            return cands[0]
+        train = torch.is_grad_enabled()
+        key = self.tune_key(counts, x_ND.dtype, torch.get_num_threads(), train)
+        hit = autotune.cached(key)
+        if hit is not None and hit.choice in cands:
+            self.tuned[key] = hit
+            return hit.choice
+        runs = {k: _timed_call(_KERNEL_FNS[k], args, counts, self.expert_type, train)
+                for k in cands}
+        self.last_tuned = self.tuned[key] = autotune.choose(key, runs, default="loop")
+        return self.last_tuned.choice
 
     def _use_padded(self, counts: list[int]) -> bool:
-        """Whether the one-thread rule pads these blocks."""
+        """Whether one thread without tuning data would pad these blocks."""
         return self.choose_kernel(counts, threads=1) == "padded"
 
     def extra_repr(self) -> str:

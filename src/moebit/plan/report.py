@@ -23,11 +23,34 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
                      + [line.format(*r) for r in rows])
 
 
-def format_plan(rows: list[dict[str, Any]], model: ModelSpec, cluster: ClusterSpec) -> str:
-    title = (f"model {model.name}: {model.total_params() / 1e6:,.0f}M parameters "
-             f"({model.active_params() / 1e6:,.0f}M active); cluster {cluster.name}: "
+def count(n: float) -> str:
+    """A parameter count at a readable scale: 340M, 1.3B, 120K (never "0M")."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            v = n / scale
+            return f"{v:,.3g}{suffix}" if v < 100 else f"{v:,.0f}{suffix}"
+    return f"{n:.0f}"
+
+
+def setup_line(model: ModelSpec, setup: Setup) -> str:
+    """What the plan assumed, the defaults filled in: per-device micro-batch, sequence
+    length, steps and where 1-bit compression starts."""
+    seq = setup.seq_len or model.seq_len
+    seq_from = "" if setup.seq_len else " (the model's)"
+    freeze_from = "" if setup.freeze_step is not None else " (20% of the steps)"
+    return (f"setup: micro-batch {setup.micro_batch} sequences per device x grad-accum "
+            f"{setup.grad_accum}, sequence length {seq}{seq_from}, {setup.steps} steps, "
+            f"1-bit freeze step {setup.freeze()}{freeze_from}, ep-size {setup.ep_size}")
+
+
+def format_plan(rows: list[dict[str, Any]], model: ModelSpec, cluster: ClusterSpec,
+                setup: Setup | None = None) -> str:
+    title = (f"model {model.name}: {count(model.total_params())} parameters "
+             f"({count(model.active_params())} active); cluster {cluster.name}: "
              f"{cluster.nodes} x {cluster.devices_per_node} devices, node link "
              f"{cluster.inter_bw * 8 / 1e9:.3g} Gbit/s")
+    if setup is not None:
+        title += "\n" + setup_line(model, setup)
     head = ["optimizer", "steps exact/1bit/local", "step s (window)", "comm share",
             "tokens/s", "vs first", "run h", "run speedup", "GB sent/rank", "fewer bytes"]
     body = []

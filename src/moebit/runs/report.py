@@ -13,6 +13,7 @@ from typing import Any
 import matplotlib
 
 from moebit.runs import metrics
+from moebit.runs.units import bits_per_byte, unit_name
 
 matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
 import matplotlib.pyplot as plt  # noqa: E402
@@ -40,6 +41,19 @@ def label_of(run: Path) -> str:
     return name
 
 
+def unit_of(run: Path, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loss unit fields of the run's end record; an unfinished run trained
+    ``--init-from`` a folder with a tokenizer is per token (bits/byte unknown)."""
+    end = next((r for r in reversed(recs) if r.get("kind") == "end"), None)
+    if end is not None and "loss_unit" in end:
+        return {k: end[k] for k in ("loss_unit", "tokenizer", "tokens_per_byte") if k in end}
+    cfg_path = Path(run) / "config.json"
+    init = json.loads(cfg_path.read_text()).get("init_from") if cfg_path.is_file() else None
+    if init and (Path(init) / "tokenizer.json").is_file():
+        return {"loss_unit": "token", "tokenizer": str(Path(init) / "tokenizer.json")}
+    return {"loss_unit": "byte"}
+
+
 def summarize(run: Path) -> dict[str, Any]:
     recs = read_metrics(run)
     start = next((r for r in recs if r.get("kind") == "start"), {})
@@ -47,7 +61,10 @@ def summarize(run: Path) -> dict[str, Any]:
     evals = [r for r in recs if r.get("kind") == "eval"]
     trains = [r for r in recs if r.get("kind") == "train"]
     val = end["val_loss"] if end else (evals[-1]["val_loss"] if evals else math.nan)
+    unit = unit_of(run, recs)
     return {
+        "unit": unit_name(unit), "bits_per_byte": bits_per_byte(val, unit),
+        "tokenizer": unit.get("tokenizer"),
         "run": label_of(run),
         "params": start.get("n_params"),
         "expert_params": start.get("n_expert_params") or 0,
@@ -65,16 +82,18 @@ def summarize(run: Path) -> dict[str, Any]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
-    cols = ["run", "params", "expert params", "steps", "val_loss", "vs first", "tokens/s",
-            "MB sent", "bytes vs first", "wall s"]
+    cols = ["run", "params", "expert params", "steps", "val_loss", "unit", "bits/byte",
+            "vs first", "tokens/s", "MB sent", "bytes vs first", "wall s"]
     lines = []
     for r in rows:
-        rel = r["val_loss"] / base["val_loss"] if base["val_loss"] else math.nan
+        rel = _relative(r, base)
         vol = (base["MB_sent"] / r["MB_sent"]) if r["MB_sent"] else math.inf
+        bpb = r.get("bits_per_byte")
         lines.append([
             r["run"], f"{r['params'] / 1e6:.2f}M" if r["params"] else "?",
             f"{r['expert_params'] / 1e6:.2f}M", str(r["steps"]),
-            f"{r['val_loss']:.4f}", f"{rel:.4f}",
+            f"{r['val_loss']:.4f}", r.get("unit", "nats/byte"),
+            f"{bpb:.4f}" if bpb is not None else "?", f"{rel:.4f}",
             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "?",
             f"{r['MB_sent']:.1f}", f"{vol:.2f}x fewer" if r is not base else "-",
             f"{r['wall_s']:.0f}" if r["wall_s"] else "?",
@@ -91,9 +110,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             out.append(f"  {r['run']}: a2a {k.get('a2a', 0.0):.1f}, exact "
                        f"{k.get('exact', 0.0):.1f}, 1-bit {k.get('onebit', 0.0):.1f}, other "
                        f"{k.get('other', 0.0):.2f}")
+    for tok in sorted({r["tokenizer"] for r in rows if r.get("tokenizer")}):
+        out.append(f"(nats/token: per token of {tok})")
     if base.get("unigram"):
-        out.append(f"(unigram byte entropy of the training split: {base['unigram']:.4f} nats/byte)")
+        per = "token" if base.get("unit") == "nats/token" else "byte"
+        out.append(f"(unigram {per} entropy of the training split: {base['unigram']:.4f} "
+                   f"nats/{per})")
     return "\n".join(out)
+
+
+def _relative(r: dict[str, Any], base: dict[str, Any]) -> float:
+    """Loss against the first run's, in bits/byte where the units differ."""
+    same = (r.get("unit"), r.get("tokenizer")) == (base.get("unit"), base.get("tokenizer"))
+    if same:
+        return r["val_loss"] / base["val_loss"] if base["val_loss"] else math.nan
+    a, b = r.get("bits_per_byte"), base.get("bits_per_byte")
+    return a / b if a is not None and b else math.nan
 
 
 def _step_offset(recs: list[dict[str, Any]]) -> int:
@@ -145,12 +177,14 @@ def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
             if start.get("teacher_val_loss") is not None and off:
                 ax_kd.plot([off], [start["teacher_val_loss"]], "k*", ms=8)
     start = next((r for r in all_recs[0] if r.get("kind") == "start"), {})
+    ylabel = " or ".join(sorted({unit_name(unit_of(run, recs))
+                                 for run, recs in zip(runs, all_recs, strict=True)}))
     for ax, xl in ((ax_step, "step"), (ax_wall, "wall time (s)")):
         if start.get("unigram_entropy"):
             ax.axhline(start["unigram_entropy"], color="grey", ls="--", lw=1,
                        label="unigram entropy")
         ax.set_xlabel(xl)
-        ax.set_ylabel("loss (nats/byte)")
+        ax.set_ylabel(f"loss ({ylabel})")
         ax.grid(alpha=0.3)
     ax_step.set_title("loss against step (faint: train, dots: validation)")
     ax_wall.set_title("validation loss against wall time")
@@ -159,7 +193,7 @@ def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
         ax_kd.set_title("students after the teacher (dotted: KD stop, dashed: teacher's final "
                         "val, star: teacher on\nthe students' val batches)", fontsize=9)
         ax_kd.set_xlabel("step (teacher's steps + student's)")
-        ax_kd.set_ylabel("validation loss (nats/byte)")
+        ax_kd.set_ylabel(f"validation loss ({ylabel})")
         ax_kd.grid(alpha=0.3)
         ax_kd.legend(fontsize=7)
     fig.tight_layout()

@@ -9,8 +9,15 @@ Each step (one loop of ``run``):
   2. one decode forward of every slot whose prompt is in the cache (one token each);
   3. one prefill forward of the next prompt chunks, at most ``prefill_chunk`` tokens in
      all, so a long prompt enters over several steps while the others keep decoding.
-A request leaves its slot when it ends (a stop string, ``max_tokens``, the context's
-end, a cancel); the slot serves the next waiting request at the next step.
+A request leaves its slot when it ends (an end-of-sequence token or a stop string:
+"stop"; ``max_tokens`` or the context's end: "length"; a cancel); the slot serves the
+next waiting request at the next step.
+
+One request's failure is its own: an exception while sampling, decoding its text or
+emitting its events ends that request with an "error" event (the API's 500) and frees
+its slot; a forward that raises ends the requests of that forward. Only in lockstep
+(expert parallel), where the other ranks cannot skip a forward, does a failed forward
+fail the whole engine.
 
 Expert parallel (``lockstep``): rank 0 holds every request and runs these forwards; the
 other ranks hold no requests and run, each step, the same number of forwards on empty
@@ -23,14 +30,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from moebit.inference.generate import dropless
-from moebit.inference.sampling import SamplingParams, find_stop, sample
-from moebit.models.gpt import GPT
+from moebit.inference.sampling import SamplingParams, find_stop, sample_rows
+from moebit.models.interface import CausalLM, device_of
 from moebit.models.tokenizer import Tokenizer
 from moebit.serve.metrics import Metrics
 from moebit.serve.slot_cache import SlotKVCache
@@ -44,11 +51,16 @@ class EngineStopped(Exception):
     """The engine is draining or has failed: no new requests."""
 
 
+class PromptTooLong(ValueError):
+    """The prompt leaves no room in the context for one new token."""
+
+
 @dataclass
 class Event:
     text: str  # new text since the last event
     finish_reason: str | None = None  # stop, length, cancelled, error; None: more to come
     error: str | None = None
+    status: int = 503  # with "error": 503 the engine failed, 500 this request alone did
 
 
 @dataclass
@@ -72,14 +84,17 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 8,
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, max_batch: int = 8,
                  max_queue: int = 64, prefill_chunk: int = 64,
                  lockstep: Callable[[int], None] | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, eos: Sequence[int] = ()) -> None:
         if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
             raise ValueError("max_batch, max_queue and prefill_chunk must be >= 1")
         self.model, self.tok = model.eval(), tokenizer
         self.block_size = model.config.block_size
+        self.vocab_size = int(model.config.vocab_size)
+        self.eos = frozenset(eos)  # token ids that end a request ("stop"), not part of its text
+        self.device = device_of(model)
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.lockstep = lockstep
         self.metrics = metrics or Metrics()
@@ -95,16 +110,27 @@ class Engine:
     # ------------------------------------------------------------------ other threads
 
     def submit(self, req: Request) -> None:
-        """Queue a request; QueueFull / EngineStopped / ValueError (prompt too long)."""
+        """Queue a request; QueueFull / EngineStopped / PromptTooLong, or a ValueError whose
+        first word is the bad field (an empty prompt, a token id outside the vocabulary,
+        a bad sampling parameter): what the engine cannot run is refused here."""
         if len(req.prompt) >= self.block_size:
-            raise ValueError(f"prompt has {len(req.prompt)} tokens; the context holds "
-                             f"{self.block_size}, so at most {self.block_size - 1}")
+            raise PromptTooLong(f"prompt has {len(req.prompt)} tokens; the context holds "
+                                f"{self.block_size}, so at most {self.block_size - 1}")
+        if not req.prompt:
+            raise ValueError("prompt is empty (this tokenizer has no BOS token to start from)")
+        bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token id {bad[0]}, outside the model's vocabulary "
+                             f"of {self.vocab_size}")
+        req.params.check()
+        gen = req.params.generator()
         with self.cv:
             if self.failed is not None or self.stopping:
                 raise EngineStopped(self.failed or "the server is shutting down")
             if len(self.waiting) >= self.max_queue:
+                self.metrics.finished("rejected")
                 raise QueueFull(f"the queue holds {self.max_queue} requests")
-            req.gen = req.params.generator()
+            req.gen = gen
             self.waiting.append(req)
             self.metrics.queue_depth = len(self.waiting)
             self.cv.notify()
@@ -147,8 +173,9 @@ class Engine:
             reqs = [r for r in self.slots if r is not None] + list(self.waiting)
             self.waiting.clear()
             self.slots = [None] * len(self.slots)
+            self.metrics.queue_depth = self.metrics.running = 0
         for r in reqs:
-            r.emit(Event("", "error", why))
+            self._send(r, Event("", "error", why))
             self.metrics.finished("error")
         if self.on_failure is not None:
             self.on_failure()
@@ -161,10 +188,34 @@ class Engine:
             self.lockstep(int(bool(decode)) + int(bool(prefill)))
         self.steps += 1
         if decode:
-            self._decode(decode)
+            self._guarded(self._decode, decode, decode)
         if prefill:
-            self._prefill(prefill)
+            self._guarded(self._prefill, prefill, [r for r, _ in prefill])
 
+    def _guarded(self, phase: Callable, arg: list, reqs: list[Request]) -> None:
+        """Run one forward phase; if it raises, end its requests (their slots' caches are
+        reset on leaving), not the engine: unless in lockstep, where the other ranks'
+        forwards are already under way and the engine must fail."""
+        try:
+            phase(arg)
+        except Exception as e:  # noqa: BLE001 - the requests of this forward get the error
+            if self.lockstep is not None:
+                raise
+            for r in reqs:
+                self._drop(r, f"{type(e).__name__}: {e}")
+
+    def _drop(self, r: Request, why: str) -> None:
+        """End one request with an error (500) and free its slot."""
+        with self.cv:  # left before the client hears: /metrics agrees with the reply
+            self._leave(r, "error")
+        self._send(r, Event("", "error", why, status=500))
+
+    def _send(self, r: Request, ev: Event) -> None:
+        """Emit an event; a callback that raises (its client is gone) cancels the request."""
+        try:
+            r.emit(ev)
+        except Exception:  # noqa: BLE001 - the client side failed: stop decoding for it
+            r.cancelled = True
     def _admit(self) -> None:
         with self.cv:
             for r in list(self.slots):
@@ -199,7 +250,7 @@ class Engine:
         decoding: contiguous slots let the cache hand attention a view of its buffers,
         not a gathered copy. The other slots in that range ride along with no real
         token (nothing advances, no feed-forward; their scribble is overwritten later)."""
-        dev = self.model.wte.weight.device
+        dev = self.device
         hi = max(r.slot for r in reqs) + 1
         last, real = [0] * hi, [0] * hi
         for r in reqs:
@@ -211,7 +262,7 @@ class Engine:
         self._sample_all(reqs, logits_SV.index_select(0, rows).float().cpu())
 
     def _prefill(self, plan: list[tuple[Request, int]]) -> None:
-        dev = self.model.wte.weight.device
+        dev = self.device
         t = max(n for _, n in plan)
         ids_RT = torch.zeros(len(plan), t, dtype=torch.long)
         for i, (r, n) in enumerate(plan):
@@ -230,28 +281,33 @@ class Engine:
 
     def _sample_all(self, reqs: list[Request], logits_RV: torch.Tensor) -> None:
         now = time.monotonic()
-        # greedy rows in one argmax (the same first maximum as one row's argmax)
-        greedy = logits_RV.argmax(-1).tolist()
-        for r, logits_V, best in zip(reqs, logits_RV, greedy, strict=True):
+        for r, logits_V in zip(reqs, logits_RV, strict=True):
             if r.cancelled:
                 continue
-            assert r.gen is not None
-            r.out.append(best if r.params.temperature == 0 else sample(logits_V, r.params, r.gen))
-            if len(r.out) == 1:
-                self.metrics.ttft.observe(now - r.arrival)
-            else:
-                self.metrics.itl.observe(now - r.last_t)
-            r.last_t = now
-            self._emit(r)
+            try:
+                assert r.gen is not None
+                r.out += sample_rows(logits_V[None], [r.params], [r.gen])
+                if len(r.out) == 1:
+                    self.metrics.ttft.observe(now - r.arrival)
+                else:
+                    self.metrics.itl.observe(now - r.last_t)
+                r.last_t = now
+                self._emit(r)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._drop(r, f"{type(e).__name__}: {e}")
         self.metrics.tokens_out(len(reqs))
 
     def _emit(self, r: Request) -> None:
-        """Send the request's new text; end it on a stop string, max_tokens or the context."""
-        text = self.tok.decode(r.out)
+        """Send the request's new text; end it on an end-of-sequence token (not part of the
+        text, counted in ``completion_tokens``), a stop string, max_tokens or the context."""
+        eos = r.out[-1] in self.eos
+        text = self.tok.decode(r.out[:-1] if eos else r.out)
         at, hold = find_stop(text, r.params.stop)
         reason = None
         if at is not None:
             text, reason = text[:at], "stop"
+        elif eos:
+            reason = "stop"
         elif len(r.out) >= r.params.max_tokens or len(r.prompt) + len(r.out) >= self.block_size:
             reason = "length"
         if reason is None:
@@ -259,13 +315,13 @@ class Engine:
             while end > r.sent and text[end - 1] == "\ufffd":  # maybe a multi-byte char's start
                 end -= 1
             if end > r.sent:
-                r.emit(Event(text[r.sent:end]))
+                self._send(r, Event(text[r.sent:end]))
                 r.sent = end
             return
-        r.emit(Event(text[r.sent:], reason))
-        r.sent = len(text)
-        with self.cv:
+        with self.cv:  # left before the client hears: /metrics agrees with the reply
             self._leave(r, reason)
+        self._send(r, Event(text[r.sent:], reason))
+        r.sent = len(text)
 
     def _leave(self, r: Request, reason: str) -> None:
         """Free the request's slot (the caller holds ``cv``)."""
@@ -273,4 +329,5 @@ class Engine:
             self.slots[r.slot] = None
             self.cache.reset(r.slot)
             self.metrics.finished(reason)
+            self.metrics.running = sum(s is not None for s in self.slots)
         self.cv.notify()

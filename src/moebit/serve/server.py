@@ -10,20 +10,26 @@ at once on a closed connection, every request gets a 503, and the server stops).
 
 Other ranks (expert parallel): ``follow`` receives each step's number of forwards from
 rank 0 and runs that many forwards of an empty batch, serving their experts.
+
+The port is bound before the engine starts (``bind``): a port in use is one line naming
+it and exit code ``PORT_IN_USE`` (2, as for any bad flag), and the URL is printed only
+once the socket is listening.
 """
 
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import uvicorn
 
-from moebit.inference.generate import dropless
-from moebit.models.gpt import GPT
+from moebit.inference.generate import dropless, idle_forward
+from moebit.models.interface import CausalLM
 from moebit.models.tokenizer import Tokenizer
 from moebit.serve.api import create_app
 from moebit.serve.engine import Engine
@@ -35,14 +41,30 @@ def broadcast_step(n: int) -> None:
     dist.broadcast(torch.tensor([n], dtype=torch.long), src=0)
 
 
-def _idle_forward(model: GPT) -> None:
-    """A forward of a zero-row batch: its MoE layers still join the all-to-all (as in
-    ``moebit.inference.generate``), so this rank serves its experts to rank 0's tokens."""
-    empty_01 = torch.zeros(0, 1, dtype=torch.long, device=model.wte.weight.device)
-    model(empty_01, cache=model.new_cache(0, 1), logits_to_keep=1)
+PORT_IN_USE = 2  # the exit code when --port cannot be bound (docs/serving.md)
 
 
-def follow(model: GPT) -> int:
+class PortInUse(OSError):
+    """The host/port cannot be bound (taken, or not an address of this machine)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or PortInUse with one line naming the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise PortInUse(f"cannot listen on {host}:{port} (port {port}): "
+                        f"{e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def follow(model: CausalLM) -> int:
     """A rank other than 0: step in lockstep with rank 0 until it says stop."""
     # rank 0 drains on SIGTERM/SIGINT and then tells this rank to stop; dying first would
     # fail it (a Ctrl-C in a terminal reaches every rank of the process group)
@@ -56,17 +78,26 @@ def follow(model: GPT) -> int:
             if n < 0:
                 return 0
             for _ in range(n):
-                _idle_forward(model)
+                idle_forward(model)
 
 
-def serve_main(model: GPT, tokenizer: Tokenizer, name: str, host: str, port: int,
+def serve_main(model: CausalLM, tokenizer: Tokenizer, name: str, host: str, port: int,
                max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 64,
-               lockstep: bool = False, log_level: str = "warning") -> int:
-    """Rank 0 (or the only process): serve until SIGTERM/SIGINT; the exit code."""
+               lockstep: bool = False, log_level: str = "warning",
+               eos: Sequence[int] = ()) -> int:
+    """Rank 0 (or the only process): serve until SIGTERM/SIGINT; the exit code.
+    ``eos``: the token ids that end a request (a Hugging Face folder's eos_token_id)."""
+    try:
+        sock = bind(host, port)
+    except PortInUse as e:
+        print(f"moebit serve: error: {e}", file=sys.stderr, flush=True)
+        if lockstep:
+            broadcast_step(-1)  # the other ranks wait for rank 0's first word: stop
+        return PORT_IN_USE
     metrics = Metrics()
     metrics.watch_experts(model)
     engine = Engine(model, tokenizer, max_batch, max_queue, prefill_chunk,
-                    broadcast_step if lockstep else None, metrics)
+                    broadcast_step if lockstep else None, metrics, eos)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, name), host=host,
                                            port=port, log_level=log_level))
 
@@ -84,7 +115,7 @@ def serve_main(model: GPT, tokenizer: Tokenizer, name: str, host: str, port: int
     # make that a no-op, so a drained server exits 0 rather than dying by the signal
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     engine.stop()
     thread.join(timeout=60)
     if thread.is_alive():

@@ -35,12 +35,14 @@ from tqdm import tqdm
 from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, init_from_env
 from moebit.inference.generate import generate_tokens
+from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.interface import CausalLM
 from moebit.models.registry import build_model, family_of
 from moebit.moe import update_router_biases_
 from moebit.runs import tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
+from moebit.runs.units import loss_text, loss_unit
 from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig, build
 from moebit.training.data import TrainBatches, check_block_size, load_corpus, val_batches
@@ -133,6 +135,7 @@ class Run:
     val_loss: float = float("nan")
     nan_streak: int = 0
     postfix: dict[str, str] = field(default_factory=dict)
+    unit: dict[str, Any] = field(default_factory=dict)  # the loss's unit (moebit.runs.units)
 
 
 def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
@@ -141,7 +144,11 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data, cfg.encoding, cfg.encoding_errors)
     # a model from a folder trains on its tokenizer's ids; moebit's GPT on bytes
+    text = corpus
     corpus = corpus_for_model(corpus, cfg.init_from, cfg.model_config().vocab_size)
+    # the loss is per token of that tokenizer then; bits/byte come from the val text
+    unit = loss_unit(len(text.val), len(corpus.val), None if corpus is text else
+                     str(Path(str(cfg.init_from)) / TOKENIZER_FILE))
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
@@ -168,7 +175,7 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
     return Run(cfg, run_dir, info, hooks, model, opt, batches, loop, meter, say, log, trackers,
                corpus.unigram_entropy(), first_step,
                time.perf_counter() - (resumed.wall if resumed else 0.0),
-               progress(info, hooks.label, cfg.steps, first_step))
+               progress(info, hooks.label, cfg.steps, first_step), unit=unit)
 
 
 def step_once(r: Run, step: int) -> None:
@@ -274,6 +281,7 @@ def finish(r: Run) -> dict[str, Any]:
         r.val_loss = r.loop.validate()
     summary = end_record(r.cfg, r.model, r.opt, r.meter, r.val_loss,
                          time.perf_counter() - r.t_start, r.entropy)
+    summary.update(r.unit)
     summary.update(r.hooks.end(r.loop, summary))
     if r.cfg.samples:
         summary["samples"] = samples(r.cfg, r.model)
@@ -319,8 +327,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def summary_line(s: dict[str, Any]) -> str:
-    parts = [f"{s['steps']} steps", f"val loss {s['val_loss']:.4f} nats/byte "
-             f"({s['val_loss'] / math.log(2):.3f} bits/byte)",
+    parts = [f"{s['steps']} steps", f"val loss {loss_text(s['val_loss'], s)}",
              f"{s['n_params'] / 1e6:.2f}M params", f"{s['tokens_per_s']:.0f} tokens/s",
              f"{s['bytes_sent'] / 1e6:.1f} MB sent per rank", f"{s['train_time']:.1f} s training"]
     if s.get("frozen_at"):

@@ -12,11 +12,25 @@ next try).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
-from moebit.models.registry import family_of_folder
+from moebit.models.registry import families, family_of_folder
 from moebit.models.upcycling import UpcycleSpec
+
+
+def is_model_folder(path: str | Path) -> bool:
+    """A model folder (a config.json naming a ``model_type``), of a known family or not; a
+    moebit run folder has checkpoints/ instead."""
+    p = Path(path)
+    if family_of_folder(p) is not None:
+        return True
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "model_type" in cfg and not (p / "checkpoints").exists()
 
 
 def upcycle_folder(src: str | Path, out: str | Path, spec: UpcycleSpec) -> tuple[Path, str]:
@@ -25,6 +39,14 @@ def upcycle_folder(src: str | Path, out: str | Path, spec: UpcycleSpec) -> tuple
     src, out = Path(src), Path(out)
     fam = family_of_folder(src)
     if fam is None:
+        try:
+            mt = json.loads((src / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            mt = None
+        names = ", ".join(f.name for f in families() if f.name != "gpt")
+        if mt is not None:
+            raise ValueError(f"upcycle: model_type {mt!r} cannot be upcycled: no model family "
+                             f"reads it (families: {names})")
         raise ValueError(f"upcycle: {src} is not a model folder (config.json with a "
                          "model_type, and safetensors weights)")
     if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):

@@ -335,6 +335,11 @@ def read_config(path: str | Path, ep_size: int = 1) -> HFDecoderConfig:
         raise FileNotFoundError(f"{p} does not exist: not a Hugging Face model folder")
     try:
         hf = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{p} is not valid JSON: {e}") from None
-    return HFDecoderConfig.from_hf(hf, ep_size=ep_size)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{p} is not a JSON object (got {type(hf).__name__})")
+    try:
+        return HFDecoderConfig.from_hf(hf, ep_size=ep_size)
+    except (ValueError, TypeError) as e:  # a key missing, of the wrong type, or unsupported
+        raise ValueError(f"{p}: {e}") from None

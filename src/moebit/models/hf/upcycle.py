@@ -22,7 +22,6 @@ transformers, ``moebit.hf.from_pretrained`` and ``moebit train --init-from`` loa
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from moebit.models.hf.config import FAMILIES, HFDecoderConfig
+from moebit.models.hf.folder import copy_side_files
 from moebit.models.hf.weights import INDEX, SafetensorsFolder
 from moebit.models.upcycling import ExpertCopier, UpcycleSpec, starts_at_dense, warn_unless_dense
 
@@ -47,8 +47,6 @@ _DROP_KEYS = {"model_type", "architectures", "auto_map", "_name_or_path", "mlp_b
               "pretraining_tp", "attention_bias"}
 _ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM", "flex_olmo": "FlexOlmoForCausalLM"}
-# files of the source folder that are not copied: the weights and the config are rewritten
-_NOT_COPIED = ("config.json", INDEX, "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 def moe_family_of(dense_hf: dict[str, Any]) -> str:
@@ -161,13 +159,6 @@ def _shards(src: SafetensorsFolder, cfg: HFDecoderConfig, spec: UpcycleSpec
         yield _moe_layer_tensors(src, cfg, layer, copier)
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """Tokenizer, generation config, chat template...: every top-level file but weights."""
-    for f in sorted(src.iterdir()):
-        if f.is_file() and not any(f.match(p) for p in _NOT_COPIED):
-            shutil.copy2(f, out / f.name)
-
-
 def upcycle_into(src: Path, out: Path, spec: UpcycleSpec) -> str:
     """Write the upcycled MoE model of the dense Hugging Face folder ``src`` into the empty
     folder ``out`` (the front end, ``moebit.upcycle.folders``, makes it atomic); returns
@@ -182,7 +173,7 @@ def upcycle_into(src: Path, out: Path, spec: UpcycleSpec) -> str:
                          f"{spec.mlp_only_layers} leave no MoE layer in {cfg.num_layers} layers")
     warn_unless_dense(weights_sum_to_one(spec, cfg.model_type), spec.noise_std)
     _write_folder(SafetensorsFolder(src), cfg, spec, moe_hf, out)
-    _copy_side_files(src, out)
+    copy_side_files(src, out)  # tokenizer, chat template, generation config, ...
     return cfg.model_type
 
 

@@ -23,6 +23,7 @@ tensors and one per expert-parallel rank, each written by the rank holding those
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,17 @@ _BIAS_UNDER_GATE = ("glm4_moe",)
 BIAS = "e_score_correction_bias"
 
 
+class HFFolderError(ValueError):
+    """A Hugging Face folder that does not load; the message names the file and the problem
+    (a ValueError, so every command reports it as one line with exit code 2)."""
+
+
+class MissingTensorError(HFFolderError, KeyError):
+    """A tensor the config implies is not in the checkpoint (also a KeyError, as it was)."""
+
+    __str__ = BaseException.__str__  # KeyError's would quote the message
+
+
 @dataclass
 class LoadReport:
     """What a load read: tests check that an expert-parallel rank read only its experts."""
@@ -59,23 +71,34 @@ class SafetensorsFolder:
         self.report = LoadReport()
         self._handles: dict[str, Any] = {}
         if (folder / INDEX).is_file():
-            wm = json.loads((folder / INDEX).read_text()).get("weight_map")
-            if not isinstance(wm, dict):
-                raise ValueError(f"{folder / INDEX} has no weight_map")
-            self.where: dict[str, str] = dict(wm)
+            self.where: dict[str, str] = _weight_map(folder / INDEX)
         elif (folder / SINGLE).is_file():
             self.where = {k: SINGLE for k in self._open(SINGLE).keys()}
         else:
-            raise FileNotFoundError(f"{folder} holds neither {SINGLE} nor {INDEX}")
+            raise HFFolderError(f"{folder} holds neither {SINGLE} nor {INDEX}: no weights")
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:
             path = self.folder / file
             if not path.is_file():
-                raise FileNotFoundError(f"{path} (listed in {INDEX}) does not exist")
-            self._handles[file] = safe_open(str(path), framework="pt")
+                raise HFFolderError(f"{path} (listed in {INDEX}) does not exist")
+            try:
+                self._handles[file] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors' own error type: truncated, not safetensors
+                raise HFFolderError(f"{path}: not a readable safetensors file ({e})") from None
             self.report.files_opened.append(file)
         return self._handles[file]
+
+    def files(self) -> list[str]:
+        """Every weight file the folder lists."""
+        return sorted(set(self.where.values()))
+
+    def shape(self, name: str, rows: slice | None = None) -> tuple[int, ...]:
+        """A tensor's shape from its file's header (no data read), rows sliced as ``read``."""
+        shape = list(self._open(self.where[name]).get_slice(name).get_shape())
+        if rows is not None:
+            shape[0] = len(range(shape[0])[rows])
+        return tuple(shape)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -84,6 +107,17 @@ class SafetensorsFolder:
         h = self._open(self.where[name])
         self.report.tensors_read.append(name)
         return h.get_slice(name)[rows] if rows is not None else h.get_tensor(name)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json``, checked."""
+    try:
+        wm = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise HFFolderError(f"{index} is not a valid index JSON object ({e})") from None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise HFFolderError(f"{index} has no weight_map of tensor name -> file")
+    return dict(wm)
 
 
 def hf_name(name: str, model_type: str = "") -> str:
@@ -116,7 +150,49 @@ def _gate_bias(model: Any, layer: int) -> torch.Tensor | None:
     return getattr(model.blocks[layer].mlp.gate, BIAS, None)
 
 
-def _load_biases(model: Any, src: SafetensorsFolder) -> None:
+def _missing(src: SafetensorsFolder, name: str, why: str = "") -> MissingTensorError:
+    where = INDEX if (src.folder / INDEX).is_file() else SINGLE
+    return MissingTensorError(f"{src.folder / where}: no tensor {name}{why}")
+
+
+def _moe_prefix(src: SafetensorsFolder, layer: int) -> str:
+    """``model.layers.i.mlp`` or Mixtral 4.x's ``model.layers.i.block_sparse_moe``."""
+    for p in (f"model.layers.{layer}.mlp", f"model.layers.{layer}.block_sparse_moe"):
+        if f"{p}.gate.weight" in src:
+            return p
+    raise _missing(src, f"model.layers.{layer}.mlp.gate.weight",
+                   f" (the router: config.json makes layer {layer} an MoE layer)")
+
+
+# (transformers name, rows of it this rank reads or None, the model tensor it fills)
+Target = tuple[str, slice | None, torch.Tensor]
+
+
+def _expert_targets(model: Any, src: SafetensorsFolder, layer: int) -> Iterator[Target]:
+    experts = model.blocks[layer].mlp.experts
+    lo, hi = experts.first_expert, experts.first_expert + experts.num_local
+    p = _moe_prefix(src, layer)
+    if f"{p}.experts.gate_up_proj" in src:  # 5.x fused: slice this rank's experts
+        for n in ("gate_up_proj", "down_proj"):
+            full = f"{p}.experts.{n}"
+            if full not in src:
+                raise _missing(src, full)
+            yield full, slice(lo, hi), getattr(experts, n)
+        return
+    g_n, u_n, d_n = _PER_EXPERT.get(model.config.model_type, _DEFAULT_PER_EXPERT)
+    f = experts.d_ffn
+    for e in range(lo, hi):
+        names = [f"{p}.experts.{e}.{n}.weight" for n in (g_n, u_n, d_n)]
+        for n in names:
+            if n not in src:
+                raise _missing(src, n)
+        gate_up = experts.gate_up_proj[e - lo]
+        yield names[0], None, gate_up[:f]
+        yield names[1], None, gate_up[f:]
+        yield names[2], None, experts.down_proj[e - lo]
+
+
+def _bias_targets(model: Any, src: SafetensorsFolder) -> Iterator[Target]:
     """Each MoE layer's fixed selection bias (GLM-4.5 MoE, MiniMax-M2), by either name."""
     for layer in model.config.moe_layers:
         bias = _gate_bias(model, layer)
@@ -125,55 +201,13 @@ def _load_biases(model: Any, src: SafetensorsFolder) -> None:
         names = bias_names(model.config.model_type, layer)
         found = [n for n in names if n in src]
         if not found:
-            raise KeyError(f"checkpoint {src.folder} has no tensor {names[-1]}")
-        _copy(bias, src.read(found[0]), found[0])
+            raise _missing(src, names[-1], " (the router's e_score_correction_bias)")
+        yield found[0], None, bias
 
 
-def _moe_prefix(src: SafetensorsFolder, layer: int) -> str:
-    """``model.layers.i.mlp`` or Mixtral 4.x's ``model.layers.i.block_sparse_moe``."""
-    for p in (f"model.layers.{layer}.mlp", f"model.layers.{layer}.block_sparse_moe"):
-        if f"{p}.gate.weight" in src:
-            return p
-    raise KeyError(f"checkpoint {src.folder} has no router tensor "
-                   f"model.layers.{layer}.mlp.gate.weight (layer {layer} is an MoE layer)")
-
-
-def _copy(dst: torch.Tensor, src_t: torch.Tensor, name: str) -> None:
-    if tuple(src_t.shape) != tuple(dst.shape):
-        raise ValueError(f"tensor {name}: checkpoint shape {tuple(src_t.shape)}, "
-                         f"model expects {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(src_t)
-
-
-def _load_experts(model: Any, src: SafetensorsFolder, layer: int) -> None:
-    experts = model.blocks[layer].mlp.experts
-    lo, hi = experts.first_expert, experts.first_expert + experts.num_local
-    p = _moe_prefix(src, layer)
-    if f"{p}.experts.gate_up_proj" in src:  # 5.x fused: slice this rank's experts
-        for n in ("gate_up_proj", "down_proj"):
-            full = f"{p}.experts.{n}"
-            if full not in src:
-                raise KeyError(f"checkpoint {src.folder} has no tensor {full}")
-            _copy(getattr(experts, n), src.read(full, slice(lo, hi)), f"{full}[{lo}:{hi}]")
-        return
-    g_n, u_n, d_n = _PER_EXPERT.get(model.config.model_type, _DEFAULT_PER_EXPERT)
-    f = experts.d_ffn
-    for e in range(lo, hi):
-        names = [f"{p}.experts.{e}.{n}.weight" for n in (g_n, u_n, d_n)]
-        for n in names:
-            if n not in src:
-                raise KeyError(f"checkpoint {src.folder} has no tensor {n}")
-        gate_up = experts.gate_up_proj[e - lo]
-        _copy(gate_up[:f], src.read(names[0]), names[0])
-        _copy(gate_up[f:], src.read(names[1]), names[1])
-        _copy(experts.down_proj[e - lo], src.read(names[2]), names[2])
-
-
-def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
-    """Copy a safetensors checkpoint into ``model`` (an ``HFDecoder``); missing tensors and
-    shape mismatches raise naming the tensor. Returns what was read."""
-    src = SafetensorsFolder(Path(folder))
+def _targets(model: Any, src: SafetensorsFolder) -> Iterator[Target]:
+    """Every tensor a load reads, in load order; a missing one is a named error before any
+    later tensor is read. Shared by the load and the check, so they cannot disagree."""
     mt = model.config.model_type
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as wte
         if ".mlp.experts." in name:
@@ -182,12 +216,45 @@ def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
         if hn not in src and ".mlp." in hn:
             hn = hn.replace(".mlp.", ".block_sparse_moe.")
         if hn not in src:
-            raise KeyError(f"checkpoint {src.folder} has no tensor {hf_name(name, mt)}")
-        _copy(p, src.read(hn), hn)
-    _load_biases(model, src)
+            raise _missing(src, hf_name(name, mt))
+        yield hn, None, p
+    yield from _bias_targets(model, src)
     for layer in model.config.moe_layers:
-        _load_experts(model, src, layer)
+        yield from _expert_targets(model, src, layer)
+
+
+def _label(name: str, rows: slice | None) -> str:
+    return name if rows is None else f"{name}[{rows.start}:{rows.stop}]"
+
+
+def _check_shape(src: SafetensorsFolder, name: str, got: tuple[int, ...],
+                 dst: torch.Tensor, rows: slice | None) -> None:
+    if got != tuple(dst.shape):
+        raise HFFolderError(f"{src.folder / src.where[name]}: tensor {_label(name, rows)} has "
+                            f"shape {got}, config.json implies {tuple(dst.shape)}")
+
+
+def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
+    """Copy a safetensors checkpoint into ``model`` (an ``HFDecoder``); missing tensors and
+    shape mismatches raise naming the tensor. Returns what was read."""
+    src = SafetensorsFolder(Path(folder))
+    for name, rows, dst in _targets(model, src):
+        t = src.read(name, rows)
+        _check_shape(src, name, tuple(t.shape), dst, rows)
+        with torch.no_grad():
+            dst.copy_(t)
     return src.report
+
+
+def check_hf_weights(model: Any, folder: str | Path) -> None:
+    """What ``load_hf_weights`` would raise, from the files' headers only (no tensor data
+    is read; ``model`` may live on the meta device): every listed file opens as
+    safetensors, and every tensor the model needs is there with the model's shape."""
+    src = SafetensorsFolder(Path(folder))
+    for file in src.files():
+        src._open(file)
+    for name, rows, dst in _targets(model, src):
+        _check_shape(src, name, src.shape(name, rows), dst, rows)
 
 
 def _shard_name(i: int, n: int) -> str:

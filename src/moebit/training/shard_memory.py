@@ -1,0 +1,64 @@
+"""What one rank holds: parameter, gradient and optimizer-state bytes, and peak RSS.
+
+Sharding's point is that these fall as 1/world; measuring them per rank (rather than
+trusting the arithmetic) catches a tensor that was left replicated. DTensors count
+their local shard only (FSDP's padding included), a tensor shared by two parameters
+(tied embeddings) counts once.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        t = _local(t)
+        key = (t.data_ptr(), t.numel())  # views of one buffer (FSDP's grads) are distinct
+        if not t.numel() or key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def state_bytes_per_rank(model: nn.Module,
+                         optimizer: torch.optim.Optimizer | None = None) -> StateBytes:
+    """Bytes of this rank's parameters, their gradients (those present now) and the
+    optimizer's state tensors (after its first step; Adam: exp_avg, exp_avg_sq, step)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states: list[torch.Tensor] = []
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            states.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+    return StateBytes(_bytes(params, set()), _bytes(grads, set()), _bytes(states, set()))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (``getrusage``: KiB on Linux, bytes
+    on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024

@@ -1,0 +1,342 @@
+"""Sharded data parallelism with FSDP2: parameters, gradients and optimizer state split
+over ranks, experts over expert parallel x expert data parallel.
+
+    cfg = ShardConfig(shard="fsdp", rs_compress="int8")
+    model = shard_model(model, cfg)          # every rank, after the model is built
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)   # the state is sharded too
+    loss = model(x, y).loss; loss.backward(); opt.step()   # gradients come averaged
+
+Layout (torchtitan's):
+
+* ``fsdp``: one mesh dimension ``dp_shard`` over all ranks.
+* ``hsdp``: ``[dp_replicate, dp_shard]``: shard inside a node of LOCAL_WORLD_SIZE ranks,
+  replicate across nodes (gradients: reduce-scatter inside the node, then an allreduce
+  of the shards across nodes).
+* experts (expert parallel size ep > 1): rank r = f * ep + e holds the experts of ep rank
+  e (moebit's consecutive ep groups); each expert module is its own ``fully_shard`` unit
+  on the ``efsdp`` dimension of the mesh ``[(dp_replicate,) efsdp, ep]``, i.e. over the
+  expert-data-parallel group (world / ep ranks; inside the node for hsdp), sharding dim
+  0 (the local experts). ``Experts.grad_scale = 1 / ep`` and the efsdp mean give the
+  world mean, as the replicated path does.
+
+One unit per decoder block (``model.blocks``), each expert module before its block, then
+the root (embeddings, final norm, head). Reductions are forced to SUM and divided
+afterwards: the divide is exact on every backend (pytorch #162338 reports AVG wrong on
+gloo in some setups), and the compressed reduce-scatters of ``shard_comm`` sum.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from moebit.moe import is_expert_param
+from moebit.training.shard_comm import (
+    DEFAULT_BLOCK,
+    MODES,
+    CompressedAllGather,
+    CompressedReduceScatter,
+    replicate_allreduce_counter,
+)
+
+SHARD_MODES = ("none", "fsdp", "hsdp")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ShardConfig:
+    """How to shard: the loop maps its flat keys onto these fields.
+
+    ``param_dtype`` / ``reduce_dtype``: "fp32", "bf16", "fp16" or None (keep the
+    parameters' own dtype; reduce in the compute dtype). ``local_world_size`` is the
+    node size for hsdp (0: torchrun's LOCAL_WORLD_SIZE). ``quant_block`` is the number of
+    elements sharing one int8 scale.
+    """
+
+    shard: str = "none"
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    rs_compress: str = "none"
+    ag_compress: str = "none"
+    local_world_size: int = 0
+    quant_block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        if self.shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {SHARD_MODES}, got {self.shard!r}")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"{key} must be one of {tuple(DTYPES)} or None, got {value!r}")
+        for key in ("rs_compress", "ag_compress"):
+            if getattr(self, key) not in MODES:
+                raise ValueError(f"{key} must be one of {MODES}, got {getattr(self, key)!r}")
+        if self.shard == "none" and (self.rs_compress, self.ag_compress) != ("none", "none"):
+            raise ValueError("rs_compress/ag_compress need shard=fsdp or hsdp (shard is none)")
+        if self.local_world_size < 0:
+            raise ValueError(f"local_world_size must be >= 0, got {self.local_world_size}")
+        if self.quant_block < 1:
+            raise ValueError(f"quant_block must be >= 1, got {self.quant_block}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardConfig:
+        """From flat keys (a config file's or the loop's), naming an unknown key."""
+        known = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sharding key {key!r}; known: {', '.join(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        def dt(name: str | None) -> torch.dtype | None:
+            return None if name is None else DTYPES[name]
+        return MixedPrecisionPolicy(param_dtype=dt(self.param_dtype),
+                                    reduce_dtype=dt(self.reduce_dtype))
+
+
+@dataclass(frozen=True)
+class ShardMeshes:
+    """The meshes of one sharded model (every rank builds them together).
+
+    ``experts_rows`` views each global stacked expert tensor [E, ...] as split along dim
+    0 over ranks in (ep rank, efsdp rank) order (replicated over dp_replicate for hsdp):
+    the checkpoint and export layout, independent of the ep x efsdp split.
+    """
+
+    shard: str
+    dense: DeviceMesh
+    experts: DeviceMesh | None
+    experts_rows: DeviceMesh | None
+    ep_size: int
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks one expert module is sharded over (the efsdp dimension)."""
+        return 1 if self.experts is None else self.experts.size(self.experts.ndim - 1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sizes of a sharded layout: ``nodes`` x ``node`` ranks; experts sharded over
+    ``efsdp`` = node / ep ranks inside each node (fsdp: one node of the whole world)."""
+
+    world: int
+    nodes: int
+    node: int
+    ep_size: int
+
+    @property
+    def efsdp(self) -> int:
+        return self.node // self.ep_size
+
+
+def check_layout(cfg: ShardConfig, world: int, ep_size: int = 1,
+                 local_experts: int | None = None) -> Layout:
+    """The layout of ``cfg`` on ``world`` ranks, or a one-line ValueError naming why it is
+    impossible; pure (no process group), so a launcher can call it before any rank starts.
+
+    ``local_experts`` (num_experts / ep_size), when given, must split evenly over efsdp.
+    """
+    if cfg.shard == "none":
+        raise ValueError("shard is none: there is nothing to lay out")
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide the world size {world}")
+    node = world
+    if cfg.shard == "hsdp":
+        node = cfg.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if node < 1 or world % node:
+            raise ValueError(f"hsdp: the node size LOCAL_WORLD_SIZE={node} does not divide "
+                             f"the world size {world}")
+        if node == world:
+            raise ValueError(f"hsdp needs more than one node: LOCAL_WORLD_SIZE={node} is the "
+                             f"whole world; use shard=fsdp")
+        if node % ep_size:
+            raise ValueError(f"hsdp: ep_size={ep_size} must divide the node size {node} "
+                             f"(experts are sharded inside a node)")
+    layout = Layout(world, world // node, node, ep_size)
+    if local_experts is not None and ep_size > 1 and local_experts % layout.efsdp:
+        raise ValueError(f"{local_experts} local experts (num_experts / ep_size) do not split "
+                         f"over the {layout.efsdp} expert-data-parallel ranks; choose ep_size "
+                         f"so that (num_experts / ep_size) % ({node} / ep_size) == 0")
+    return layout
+
+
+def make_meshes(cfg: ShardConfig, ep_size: int = 1, device_type: str = "cpu") -> ShardMeshes:
+    """The dense and expert meshes for ``cfg`` over the default group; collective.
+
+    Raises ValueError naming the impossible layout (``check_layout``), or the missing
+    process group, before any rank creates a group.
+    """
+    if cfg.shard == "none":
+        raise ValueError("make_meshes: shard is none, there is nothing to shard")
+    if not dist.is_initialized():
+        raise ValueError(f"shard={cfg.shard} needs torch.distributed initialised (torchrun)")
+    world = dist.get_world_size()
+    lay = check_layout(cfg, world, ep_size)
+    if cfg.shard == "hsdp":
+        dense = init_device_mesh(device_type, (lay.nodes, lay.node),
+                                 mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        dense = init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+    if ep_size == 1:
+        return ShardMeshes(cfg.shard, dense, None, None, 1)
+    nodes, node, efsdp = lay.nodes, lay.node, lay.efsdp
+    ranks = torch.arange(world)
+    if cfg.shard == "hsdp":
+        full = DeviceMesh(device_type, ranks.view(nodes, efsdp, ep_size),
+                          mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        experts = full["dp_replicate", "efsdp"]
+    else:
+        full = DeviceMesh(device_type, ranks.view(efsdp, ep_size), mesh_dim_names=("efsdp", "ep"))
+        experts = full["efsdp"]
+    # rows mesh: for node n, ranks ordered by (ep rank e, efsdp rank f): n*node + f*ep + e
+    rows = ranks.view(nodes, efsdp, ep_size).transpose(1, 2).reshape(nodes, node)
+    if cfg.shard == "hsdp":
+        experts_rows = DeviceMesh(device_type, rows, mesh_dim_names=("dp_replicate", "rows"))
+    else:
+        experts_rows = DeviceMesh(device_type, rows.reshape(world), mesh_dim_names=("rows",))
+    return ShardMeshes(cfg.shard, dense, experts, experts_rows, ep_size)
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules whose own parameters are all expert parameters (``Experts``), by name."""
+    found = []
+    for name, m in model.named_modules():
+        own = list(m.parameters(recurse=False))
+        if own and all(is_expert_param(p) for p in own):
+            found.append((name, m))
+        elif any(is_expert_param(p) for p in own):
+            raise ValueError(f"module {name!r} mixes expert and dense parameters: it cannot "
+                             f"be sharded over two meshes")
+    return found
+
+
+def _model_ep_size(model: nn.Module) -> int:
+    groups = getattr(model, "ep_groups", None)
+    return 1 if groups is None else int(groups.ep_size)
+
+
+def _check_experts(model: nn.Module, meshes: ShardMeshes) -> None:
+    """The model's expert-dp group must be the mesh's efsdp group, and the local experts
+    must split evenly over it (the checkpoint's row layout needs equal pieces)."""
+    groups = getattr(model, "ep_groups", None)
+    if meshes.experts is None or groups is None:
+        return
+    mesh_ranks = tuple(sorted(int(r) for r in meshes.experts.mesh.flatten().tolist()))
+    if mesh_ranks != tuple(sorted(groups.expert_dp_ranks)):
+        raise ValueError(f"the model's expert-data-parallel ranks {groups.expert_dp_ranks} "
+                         f"are not the expert mesh's {mesh_ranks}")
+    efsdp = meshes.expert_shard_size
+    for name, m in expert_modules(model):
+        for pname, p in m.named_parameters(recurse=False):
+            if p.shape[0] % efsdp:
+                raise ValueError(f"{name}.{pname}: {p.shape[0]} local experts do not split over "
+                                 f"the {efsdp} expert-data-parallel ranks; choose ep_size so "
+                                 f"that (num_experts / ep_size) % (world / ep_size) == 0")
+
+
+@dataclass
+class ShardState:
+    """What ``shard_model`` leaves on the model (``model.moebit_shard``): the config, the
+    meshes, the names of the expert parameters and each unit's reduce-scatter, in unit
+    order (the checkpoint needs them: the int8 residuals live there)."""
+
+    config: ShardConfig
+    meshes: ShardMeshes
+    expert_names: tuple[str, ...]
+    reduce_scatters: tuple[CompressedReduceScatter, ...] = ()
+
+
+def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None = None) -> nn.Module:
+    """Apply FSDP2 to ``model`` in place (returned for chaining); collective.
+
+    ``model.blocks`` must hold the decoder blocks (moebit's GPT and HFDecoder do). With
+    ``cfg.shard == "none"`` the model is returned untouched. The model must be on its
+    final device, with expert-parallel groups already made (``model.ep_groups``).
+    """
+    if cfg.shard == "none":
+        return model
+    if getattr(model, "moebit_shard", None) is not None:
+        raise ValueError("shard_model: the model is already sharded")
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"shard_model: {type(model).__name__} has no .blocks ModuleList "
+                         f"of decoder blocks to shard one by one")
+    device_type = next(model.parameters()).device.type
+    meshes = meshes or make_meshes(cfg, _model_ep_size(model), device_type)
+    if meshes.ep_size != _model_ep_size(model):
+        raise ValueError(f"meshes were made for ep_size={meshes.ep_size}, the model has "
+                         f"{_model_ep_size(model)}")
+    _check_experts(model, meshes)
+    expert_names = tuple(n for n, p in model.named_parameters() if is_expert_param(p))
+    common: dict[str, Any] = {"reshard_after_forward": cfg.reshard_after_forward,
+                              "mp_policy": cfg.mp_policy()}
+    units: list[tuple[FSDPModule, DeviceMesh]] = []
+    experts = dict(expert_modules(model)) if meshes.experts is not None else {}
+    for block in blocks:
+        for m in block.modules():
+            if any(m is e for e in experts.values()):
+                units.append((fully_shard(m, mesh=meshes.experts, **common), meshes.experts))
+        units.append((fully_shard(block, mesh=meshes.dense, **common), meshes.dense))
+    units.append((fully_shard(model, mesh=meshes.dense, **common), meshes.dense))
+    comms = tuple(_install_comms(unit, mesh, cfg) for unit, mesh in units)
+    model.moebit_shard = ShardState(cfg, meshes, expert_names, comms)
+    return model
+
+
+def _install_comms(unit: FSDPModule, mesh: DeviceMesh, cfg: ShardConfig,
+                   ) -> CompressedReduceScatter:
+    """SUM reductions divided afterwards, the unit's own (compressed) collectives, and for
+    hsdp a counter of the replicate-dim allreduce. Returns the unit's reduce-scatter."""
+    unit.set_force_sum_reduction_for_comms(True)
+    rs = CompressedReduceScatter(cfg.rs_compress, cfg.quant_block)
+    unit.set_custom_reduce_scatter(rs)
+    unit.set_custom_all_gather(CompressedAllGather(cfg.ag_compress, cfg.quant_block))
+    if mesh.ndim == 2 and mesh.size(0) > 1:
+        unit.set_all_reduce_hook(replicate_allreduce_counter(mesh.size(0)))
+    return rs
+
+
+# Which optimizer composes with which sharding; the reasons are the refusal messages.
+_REFUSED = {
+    "onebit_adam": "its 1-bit allreduce compresses whole replicated momenta with per-tensor "
+                   "error feedback, while sharding keeps only a shard of each gradient per rank",
+    "zero_one_adam": "its 1-bit variance/momentum exchange and local steps need whole "
+                     "replicated tensors, while sharding keeps only a shard per rank",
+    "onebit_lamb": "its 1-bit allreduce and per-layer trust ratios need whole replicated "
+                   "momenta, while sharding keeps only a shard per rank",
+}
+COMPOSES = ("adam", "lamb")
+
+
+def check_composition(optimizer_name: str, shard: str) -> None:
+    """Raise a one-line ValueError when ``optimizer_name`` cannot run under ``shard``.
+
+    The 1-bit optimizers exchange compressed momenta of whole parameters and keep
+    error feedback for each; FSDP hands each rank a shard of the already-averaged
+    gradient, so their exchange would have nothing to compress. Sharded runs compress the
+    gradient reduce-scatter instead (``rs_compress``). See docs/sharding.md.
+    """
+    if shard not in SHARD_MODES:
+        raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
+    if shard == "none":
+        return
+    if optimizer_name in _REFUSED:
+        raise ValueError(f"optimizer {optimizer_name!r} does not compose with shard={shard}: "
+                         f"{_REFUSED[optimizer_name]}; use adam or lamb with rs_compress=int8")
+    if optimizer_name not in COMPOSES:
+        raise ValueError(f"optimizer {optimizer_name!r} is not known to compose with "
+                         f"shard={shard}; composing: {', '.join(COMPOSES)}")
