@@ -18,6 +18,7 @@ from hf_models import run_moebit, text_corpus, train_tokenizer
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
 from moebit.inference.generate import generate_tokens
 from moebit.models.hf.config import HFDecoderConfig
+from moebit.models.hf.folder import check_folder
 from moebit.moe import MoE, MoEConfig, update_router_biases_
 from moebit.testing import run_on_ranks
 
@@ -277,6 +278,9 @@ def test_missing_selection_bias_is_named(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=name.replace(".", r"\.")):
         load_hf_weights(build_empty(read_config(tmp_path)), tmp_path)
+    # the whole-folder check before any rank starts (headers only) names it too
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        check_folder(tmp_path, tokenizer="ignore")
 
 
 def test_fused_5x_layout_loads(made, tmp_path):
