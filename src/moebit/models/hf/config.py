@@ -44,6 +44,8 @@ _UNSUPPORTED = {
     "deepseek_v3": "its multi-head latent attention (MLA) is not implemented in moebit; "
                    "its MoE block is (moebit.moe routing options)",
     "deepseek_v2": "its multi-head latent attention (MLA) is not implemented in moebit",
+    "gpt_oss": "its attention sinks, alternating sliding-window layers, router and expert "
+               "biases and clamped SwiGLU experts are not implemented in moebit",
 }
 
 
