@@ -14,6 +14,10 @@ stateful variants behave as transformers' rotary module does call by call:
 
 "yarn" and "longrope" also scale cos and sin by an attention factor.
 
+Partial rotary (``partial_rotary_factor`` < 1: GLM-4.5 MoE, MiniMax-M2) rotates only the
+first ``int(head_dim * factor)`` dimensions of each head: every schedule is computed over
+that width (``RopeSpec.dim``) and cos/sin are that wide; the caller passes the rest through.
+
     spec = parse_rope(hf_config_json, head_dim=128, default_theta=1e6)
     rotary = RotaryEmbedding(spec)
     cos_BTd, sin_BTd = rotary(pos_BT)          # float32, attention factor applied
@@ -56,10 +60,20 @@ class RopeSpec:
     head_dim: int = 64
     max_position_embeddings: int = 4096
     params: dict[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0  # the share of head_dim that rotates
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.dim < 2 or self.dim % 2:
+            raise ValueError(f"partial_rotary_factor = {self.partial_rotary_factor!r} of head_dim "
+                             f"{self.head_dim} gives {self.dim} rotary dimensions: it must be in "
+                             "(0, 1] and leave an even number >= 2")
+
+    @property
+    def dim(self) -> int:
+        """The rotated width of a head (transformers' ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def original_max_position_embeddings(self) -> int:
@@ -92,9 +106,13 @@ def _source(hf: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "rope_parameters", {}
 
 
-def parse_rope(hf: dict[str, Any], head_dim: int, default_theta: float = 10000.0) -> RopeSpec:
+def parse_rope(hf: dict[str, Any], head_dim: int, default_theta: float = 10000.0,
+               default_partial: float = 1.0) -> RopeSpec:
     """The ``RopeSpec`` of a config.json. An unknown key, a missing required one or a
-    malformed value (what transformers' validation calls invalid) is an error naming it."""
+    malformed value (what transformers' validation calls invalid) is an error naming it.
+
+    ``partial_rotary_factor``: the RoPE dict's, else the top-level key's (transformers'
+    order), else ``default_partial`` (the family's default)."""
     where, src = _source(hf)
     rtype = src.get("rope_type", src.get("type", "default"))
     if rtype not in ROPE_TYPES:
@@ -107,9 +125,10 @@ def parse_rope(hf: dict[str, Any], head_dim: int, default_theta: float = 10000.0
     for key in _REQUIRED[rtype]:
         if src.get(key) is None:
             raise ValueError(f"{where}: rope_type {rtype!r} needs {key!r}")
-    prf = src.get("partial_rotary_factor", 1.0)
-    if prf != 1.0:
-        raise ValueError(f"{where}.partial_rotary_factor = {prf!r} is not supported (only 1)")
+    prf_src = src.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    prf = default_partial if prf_src is None else _number(where, "partial_rotary_factor",
+                                                          prf_src, 0, True)
+    dim = int(head_dim * prf)
     # a 4.x rope_scaling holds no theta: the top-level one (rope_parameters is not read
     # when rope_scaling is there, as in transformers)
     theta_src = src.get("rope_theta", hf.get("rope_theta"))
@@ -118,17 +137,18 @@ def parse_rope(hf: dict[str, Any], head_dim: int, default_theta: float = 10000.0
     factor = 1.0
     if src.get("factor") is not None:
         factor = _number(where, "factor", src["factor"], 1.0)
-    params = _type_params(where, rtype, src, head_dim, max_pos)
+    params = _type_params(where, rtype, src, dim, max_pos)
     if rtype == "longrope" and src.get("factor") is None:
         factor = max_pos / params["original_max_position_embeddings"]
     if rtype in ("yarn", "longrope") and params.get("attention_factor") is None:
         params["attention_factor"] = _default_attention_factor(rtype, factor, params)
-    return RopeSpec(rtype, theta, factor, head_dim, max_pos, params)
+    return RopeSpec(rtype, theta, factor, head_dim, max_pos, params, prf)
 
 
 def _type_params(where: str, rtype: str, src: dict[str, Any], head_dim: int,
                  max_pos: int) -> dict[str, Any]:
-    """The type's parameters besides factor, checked, transformers' defaults filled in."""
+    """The type's parameters besides factor, checked, transformers' defaults filled in
+    (``head_dim``: the rotated width)."""
     p: dict[str, Any] = {}
     if rtype in ("yarn", "llama3", "longrope"):
         orig = src.get("original_max_position_embeddings", max_pos)
@@ -195,7 +215,7 @@ def rope_frequencies(spec: RopeSpec, seq_len: int | None = None,
 
     ``seq_len``: the last position + 1 of the forward, for the types that depend on it
     (dynamic, longrope); None at construction, as transformers initialises them."""
-    dim, base, p = spec.head_dim, spec.theta, spec.params
+    dim, base, p = spec.dim, spec.theta, spec.params
     if spec.rope_type in ("default", "linear"):
         return 1.0 / (base ** _exponents(dim, device)) / spec.factor, 1.0
     if spec.rope_type == "dynamic":
@@ -213,7 +233,7 @@ def rope_frequencies(spec: RopeSpec, seq_len: int | None = None,
 def _dynamic(spec: RopeSpec, seq_len: int | None, device: torch.device | None) -> torch.Tensor:
     """NTK: base * (factor * L / max_pos - (factor - 1)) ** (dim / (dim - 2)), L >= max_pos.
     On a tensor L, as transformers computes it (float32), so the bits agree."""
-    dim, max_pos = spec.head_dim, spec.max_position_embeddings
+    dim, max_pos = spec.dim, spec.max_position_embeddings
     s = torch.tensor(max(seq_len or max_pos, max_pos), dtype=torch.int64, device=device)
     base = spec.theta * ((spec.factor * s / max_pos) - (spec.factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base ** _exponents(dim, device))
@@ -222,7 +242,7 @@ def _dynamic(spec: RopeSpec, seq_len: int | None, device: torch.device | None) -
 def _yarn(spec: RopeSpec, device: torch.device | None) -> torch.Tensor:
     """YaRN: interpolate (divide by factor) the low frequencies, keep the high ones, and
     ramp linearly in between, over the dimensions set by beta_fast / beta_slow."""
-    dim, base, p = spec.head_dim, spec.theta, spec.params
+    dim, base, p = spec.dim, spec.theta, spec.params
     orig = spec.original_max_position_embeddings
 
     def correction_dim(rotations: float) -> float:
@@ -245,7 +265,7 @@ def _llama3(spec: RopeSpec, device: torch.device | None) -> torch.Tensor:
     """Llama 3.1: wavelengths above original / low_freq_factor are divided by factor,
     those below original / high_freq_factor kept, those between smoothly blended."""
     p, factor = spec.params, spec.factor
-    inv = 1.0 / (spec.theta ** _exponents(spec.head_dim, device))
+    inv = 1.0 / (spec.theta ** _exponents(spec.dim, device))
     orig = spec.original_max_position_embeddings
     low_f, high_f = p["low_freq_factor"], p["high_freq_factor"]
     low_wavelen, high_wavelen = orig / low_f, orig / high_f

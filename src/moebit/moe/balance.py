@@ -25,9 +25,10 @@ from moebit.moe.gate import RoutingStats, TopKGate
 
 
 def biased_gates(model: nn.Module) -> list[TopKGate]:
-    """The gates of ``model`` that balance with a selection bias, in module order."""
+    """The gates of ``model`` that move their selection bias (``bias_update_speed > 0``;
+    a fixed checkpoint bias, ``score_correction_bias`` alone, is not moved), in module order."""
     return [m for m in model.modules()
-            if isinstance(m, TopKGate) and m.e_score_correction_bias is not None]
+            if isinstance(m, TopKGate) and m.load_since_update is not None]
 
 
 @torch.no_grad()

@@ -104,6 +104,9 @@ class MoEConfig:
     bias_update_speed: aux-loss-free balancing: > 0 adds a per-expert bias
         (``e_score_correction_bias``) to the scores for selection only, moved by this much
         per optimizer step towards the mean load (``update_router_biases_``). 0 = off.
+    score_correction_bias: hold ``e_score_correction_bias`` even with bias_update_speed 0:
+        a checkpoint's fixed selection bias (GLM-4.5 MoE, MiniMax-M2 and DeepSeek-V3 ship
+        one), loaded with the weights and used as it is, never moved.
     seq_aux: the load-balancing loss per sequence, averaged over sequences (DeepSeek-V3's
         sequence-wise loss) instead of over the whole batch (GShard).
     a2a_dtype / a2a_grad_dtype: wire format of the expert-parallel token all-to-alls,
@@ -144,6 +147,7 @@ class MoEConfig:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     bias_update_speed: float = 0.0
+    score_correction_bias: bool = False
     seq_aux: bool = False
     # token all-to-all of expert parallelism (docs/expert-parallel.md)
     a2a_dtype: str = "auto"
@@ -282,6 +286,9 @@ class MoEConfig:
             raise ValueError(
                 f"bias_update_speed must be >= 0 (0 = off), got {self.bias_update_speed!r}"
             )
+        if self.score_correction_bias not in (True, False):
+            raise ValueError("score_correction_bias must be a bool, "
+                             f"got {self.score_correction_bias!r}")
 
     @property
     def groups_kept(self) -> int:

@@ -175,7 +175,8 @@ class TopKGate(nn.Module):
     With ``bias_update_speed > 0`` the gate holds ``e_score_correction_bias`` [E] (a
     buffer: no gradient, saved in checkpoints), added to the scores for selection only,
     and counts the choices it makes in training mode in ``load_since_update`` until
-    ``update_router_biases_`` consumes them after the optimizer step.
+    ``update_router_biases_`` consumes them after the optimizer step. With
+    ``score_correction_bias`` alone it holds the bias without counting or moving it.
     """
 
     def __init__(self, d_model: int, config: MoEConfig) -> None:
@@ -187,9 +188,20 @@ class TopKGate(nn.Module):
         self.router = nn.Linear(d_model, config.num_experts, bias=False)
         on = config.bias_update_speed > 0
         e = config.num_experts
-        self.register_buffer("e_score_correction_bias", torch.zeros(e) if on else None)
+        held = on or config.score_correction_bias  # a checkpoint's fixed bias, or a moving one
+        self.register_buffer("e_score_correction_bias", torch.zeros(e) if held else None)
         self.register_buffer("load_since_update",
                              torch.zeros(e, dtype=torch.long) if on else None, persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """Casts keep the selection bias float32, as the router's logits are: in bfloat16 a
+        bias of 0.1 moves in steps of 5e-4, enough to flip near-ties between experts (and
+        transformers keeps GLM's bias in float32 too)."""
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b is not None and b.dtype != torch.float32:
+            self.e_score_correction_bias = b.float()
+        return self
 
     def capacity(self, num_tokens: int) -> int | None:
         """Slots per expert for this many tokens in the current mode; None when dropless."""
@@ -297,7 +309,7 @@ class TopKGate(nn.Module):
             bias_E = None
             if self.e_score_correction_bias is not None:
                 bias_E = self.e_score_correction_bias.clone()
-                if self.training:
+                if self.training and self.load_since_update is not None:
                     self.load_since_update += routed_E
         stats = RoutingStats(routed_E, kept_E, dropped, cap, bias_E)
         return Routing(expert_SK, weight_SK, kept_SK, aux, z, stats)

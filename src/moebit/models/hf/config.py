@@ -3,7 +3,8 @@
 The families differ in a handful of switches (where the experts' width is stored,
 whether the router renormalises its top-k weights, q/k norms per head or over the whole
 projection, a gated shared expert, which layers are dense, norms before or after each
-sublayer); everything else is the same RMSNorm/RoPE/GQA decoder. The dense families
+sublayer; GLM-4.5 MoE and MiniMax-M2: sigmoid routing with a fixed selection bias,
+partial RoPE); everything else is the same RMSNorm/RoPE/GQA decoder. The dense families
 (Llama, Qwen2, Qwen3, OLMo2) are that decoder with no MoE layer. A key this mapping does
 not understand, and a value moebit does not implement (sliding windows, an unknown RoPE
 type, another activation), is an error naming it: a checkpoint never silently means something else.
@@ -22,20 +23,29 @@ from typing import Any
 
 from moebit.models.rope import ROPE_TYPES, RopeSpec, parse_rope
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "minimax_m2")
 # dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
 # the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
 # families whose norms follow each sublayer (OLMo2's reordered norms), not precede it
 _POST_NORM = ("olmo2", "flex_olmo")
 # transformers' rope_theta when a config.json gives none (its `default_theta`)
-_DEFAULT_THETA = {"mixtral": 1e6, "flex_olmo": 5e5}
+_DEFAULT_THETA = {"mixtral": 1e6, "flex_olmo": 5e5, "minimax_m2": 5e6}
+# families whose attention rotates part of each head (and transformers' default share)
+_PARTIAL_ROTARY = {"glm4_moe": 0.5, "minimax_m2": 1.0}
+# families routing with sigmoid scores and a checkpoint's e_score_correction_bias
+_SIGMOID_ROUTED = ("glm4_moe", "minimax_m2")
+# transformers' values for GLM-4.5 MoE keys a config.json may leave out (Glm4MoeConfig)
+_GLM4_MOE_DEFAULTS = {"first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
+                      "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True}
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
 _UNSUPPORTED = {
     "deepseek_v3": "its multi-head latent attention (MLA) is not implemented in moebit; "
                    "its MoE block is (moebit.moe routing options)",
     "deepseek_v2": "its multi-head latent attention (MLA) is not implemented in moebit",
+    "gpt_oss": "its attention sinks, alternating sliding-window layers, router and expert "
+               "biases and clamped SwiGLU experts are not implemented in moebit",
 }
 
 
@@ -56,7 +66,13 @@ class HFDecoderConfig:
     num_experts_per_tok: int
     moe_layers: list[int]
     norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated / GLM's plain one (0: none)
+    scoring_func: str = "softmax"  # "sigmoid": GLM-4.5 MoE, MiniMax-M2
+    score_correction_bias: bool = False  # the checkpoint's e_score_correction_bias [E]
+    n_group: int = 1  # group-limited top-k (GLM-4.5 MoE)
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # share of head_dim that rotates (GLM, MiniMax)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"
@@ -101,9 +117,15 @@ class HFDecoderConfig:
         return bool(self.moe_layers)
 
     @property
+    def shared_expert_gated(self) -> bool:
+        """Qwen2-MoE scales its shared expert by a per-token sigmoid gate; GLM does not."""
+        return bool(self.shared_expert_intermediate_size) and self.model_type == "qwen2_moe"
+
+    @property
     def rope(self) -> RopeSpec:
         return RopeSpec(self.rope_type, self.rope_theta, self.rope_factor, self.head_dim,
-                        self.max_position_embeddings, dict(self.rope_params))
+                        self.max_position_embeddings, dict(self.rope_params),
+                        self.partial_rotary_factor)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,11 +159,16 @@ class HFDecoderConfig:
             raise ValueError(f"model_type {mt!r} is not supported; "
                              f"supported: {FAMILIES + DENSE_FAMILIES}")
         _check_options(hf, mt)
+        if mt == "glm4_moe":  # transformers' defaults, written back so every reader agrees
+            hf = {**_GLM4_MOE_DEFAULTS, **hf}
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
         head_dim = hf.get("head_dim") or hidden // heads
-        rope = parse_rope(hf, head_dim, _DEFAULT_THETA.get(mt, 10000.0))
+        rope = parse_rope(hf, head_dim, _DEFAULT_THETA.get(mt, 10000.0), _default_partial(hf, mt))
+        if rope.partial_rotary_factor != 1.0 and mt not in _PARTIAL_ROTARY:
+            raise ValueError(f"{mt}: partial_rotary_factor = {rope.partial_rotary_factor} is "
+                             f"not supported (partial RoPE: {sorted(_PARTIAL_ROTARY)} only)")
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
@@ -151,10 +178,11 @@ class HFDecoderConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope.theta, rope_type=rope.rope_type, rope_factor=rope.factor,
             rope_params=rope.params, max_position_embeddings=rope.max_position_embeddings,
+            partial_rotary_factor=rope.partial_rotary_factor,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             **_attention_fields(hf, mt),
             clip_qkv=hf.get("clip_qkv"), attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            router_aux_loss_coef=_aux_coef(hf, mt),
             ep_size=ep_size, bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"), hf=dict(hf),
         )
@@ -182,6 +210,8 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
     if mt in DENSE_FAMILIES:
         return dict(moe_intermediate_size=g.need("intermediate_size"), num_experts=0,
                     num_experts_per_tok=0, moe_layers=[])
+    if mt in _SIGMOID_ROUTED:
+        return _sigmoid_moe_fields(g, n_layers)
     e = g.first("num_experts", "num_local_experts")
     return dict(
         moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe", "flex_olmo")
@@ -192,6 +222,44 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
         shared_expert_intermediate_size=(g.need("shared_expert_intermediate_size")
                                          if mt == "qwen2_moe" else 0),
     )
+
+
+def _sigmoid_moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
+    """GLM-4.5 MoE and MiniMax-M2: sigmoid scores plus the checkpoint's selection bias;
+    GLM adds group-limited top-k, a scaling factor and plain shared experts, MiniMax always
+    renormalises the k weights and sizes its experts by ``intermediate_size``."""
+    glm = g.mt == "glm4_moe"
+    e = g.first("n_routed_experts", "num_local_experts", "num_experts") if glm \
+        else g.first("num_local_experts", "num_experts")
+    k = g.need("num_experts_per_tok")
+    norm = bool(g.hf.get("norm_topk_prob", True)) if glm else True
+    if norm and k == 1:
+        raise ValueError(f"{g.mt}: num_experts_per_tok = 1 with a renormalised top-k (every "
+                         "weight 1) is not supported")
+    width = g.need("moe_intermediate_size") if glm else g.need("intermediate_size")
+    return dict(
+        moe_intermediate_size=width, num_experts=e, num_experts_per_tok=k,
+        moe_layers=_moe_layers(g.hf, n_layers, e), norm_topk_prob=norm,
+        shared_expert_intermediate_size=width * int(g.hf.get("n_shared_experts") or 0) if glm else 0,
+        scoring_func="sigmoid", score_correction_bias=True,
+        n_group=int(g.hf.get("n_group") or 1) if glm else 1,
+        topk_group=int(g.hf.get("topk_group") or 1) if glm else None,
+        routed_scaling_factor=float(g.hf.get("routed_scaling_factor", 1.0)) if glm else 1.0,
+    )
+
+
+def _default_partial(hf: dict[str, Any], mt: str) -> float:
+    """The family's partial_rotary_factor when neither spelling of it is given: GLM's 0.5,
+    MiniMax-M2's legacy ``rotary_dim`` / head_dim, 1 elsewhere (as transformers)."""
+    if mt == "minimax_m2" and hf.get("rotary_dim"):
+        return hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return _PARTIAL_ROTARY.get(mt, 1.0)
+
+
+def _aux_coef(hf: dict[str, Any], mt: str) -> float:
+    """transformers' GLM-4.5 MoE trains with no load-balancing loss (its model computes
+    none, whatever the config says); the others weigh theirs by router_aux_loss_coef."""
+    return 0.0 if mt == "glm4_moe" else float(hf.get("router_aux_loss_coef", 0.001))
 
 
 def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -209,7 +277,11 @@ def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
         raise ValueError(f"{mt}: attention_bias = {hf.get('attention_bias')} / mlp_bias = "
                          f"{hf.get('mlp_bias')} is not supported (o_proj and MLP biases)")
     qk = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full", "olmo2": "full",
-          "flex_olmo": "full"}.get(mt, "none")
+          "flex_olmo": "full", "minimax_m2": "full"}.get(mt, "none")
+    if mt == "glm4_moe" and hf.get("use_qk_norm"):
+        qk = "head"
+    if mt == "minimax_m2":
+        bias = False  # transformers' MiniMax-M2 has no q/k/v biases, whatever the config says
     return dict(attention_bias=bias, qk_norm=qk, post_norm=mt in _POST_NORM)
 
 
@@ -228,8 +300,22 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
     if hf.get("router_jitter_noise"):
         raise ValueError(f"router_jitter_noise = {hf['router_jitter_noise']} is not supported "
                          "(set it to 0)")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if mt == "minimax_m2":
+        _check_minimax(hf)
+
+
+def _check_minimax(hf: dict[str, Any]) -> None:
+    """The released MiniMax-M2 config.json's own switches (transformers reads none of them):
+    values other than the ones its model hard-codes would mean another model."""
+    fixed = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+             "qk_norm_type": "per_layer"}
+    for key, want in fixed.items():
+        if key in hf and hf[key] != want:
+            raise ValueError(f"minimax_m2: {key} = {hf[key]!r} is not supported (only {want!r})")
+    attn = [t for t in hf.get("attn_type_list") or [] if t != 1]
+    if attn:
+        raise ValueError(f"minimax_m2: attn_type_list entries {sorted(set(attn))} are not "
+                         "supported (1, full softmax attention, only)")
 
 
 def _moe_layers(hf: dict[str, Any], n_layers: int, num_experts: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""The Hugging Face MoE decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on moebit's parts.
+"""The Hugging Face MoE decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 MoE,
+MiniMax-M2) on moebit's parts.
 
 Pre-norm blocks: RMSNorm, grouped-query attention with rotary embeddings (and the
 families' q/k norms), RMSNorm, then a SwiGLU MLP or a ``moebit.moe.MoE`` block (dropless,
@@ -52,8 +53,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos``-width dimensions of each head (all of them unless the
+    family's RoPE is partial); the rest pass through, as transformers' GLM/MiniMax do."""
     cos, sin = cos_BTd[:, None].to(x_BHTd.dtype), sin_BTd[:, None].to(x_BHTd.dtype)
-    return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+    r = cos.shape[-1]
+    if r == x_BHTd.shape[-1]:
+        return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+    rot, rest = x_BHTd[..., :r], x_BHTd[..., r:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 class Attention(nn.Module):
@@ -119,19 +126,26 @@ class HFFeedForwardOutput:
 
 
 def moe_config_for(cfg: HFDecoderConfig) -> MoEConfig:
-    """The moebit MoE block of these families: dropless softmax top-k, SwiGLU experts.
+    """The moebit MoE block of these families: dropless top-k, SwiGLU experts.
 
-    Renormalised top-k (Mixtral; Qwen/OLMoE with norm_topk_prob) is a softmax over the k
-    chosen logits (``softmax_before_topk=False``), which is exact at any k, k = 1 included.
+    Renormalised softmax top-k (Mixtral; Qwen/OLMoE with norm_topk_prob) is a softmax over
+    the k chosen logits (``softmax_before_topk=False``), which is exact at any k, k = 1
+    included. GLM-4.5 MoE and MiniMax-M2 score with sigmoids, pick with the checkpoint's
+    ``e_score_correction_bias`` added (and GLM within its best groups), and weigh by the
+    plain sigmoid scores, renormalised, times ``routed_scaling_factor``.
     """
+    sigmoid = cfg.scoring_func == "sigmoid"
     return MoEConfig(
         num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
         drop_tokens=False, norm_topk_prob=cfg.norm_topk_prob,
-        softmax_before_topk=not cfg.norm_topk_prob, router_aux_loss_coef=0.0,
+        softmax_before_topk=sigmoid or not cfg.norm_topk_prob, router_aux_loss_coef=0.0,
         ep_size=cfg.ep_size, d_ffn=cfg.moe_intermediate_size, expert_type="swiglu",
         num_shared_experts=1 if cfg.shared_expert_intermediate_size else 0,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-        shared_expert_gate=bool(cfg.shared_expert_intermediate_size),
+        shared_expert_gate=cfg.shared_expert_gated,
+        scoring_func=cfg.scoring_func, score_correction_bias=cfg.score_correction_bias,
+        n_group=cfg.n_group, topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor,
     )
 
 

@@ -8,8 +8,12 @@ Both expert layouts load:
   ``mlp.experts.down_proj`` [E, H, I]: moebit's own layout, sliced to the local experts
   (``get_slice``: a rank reads only its rows);
 - transformers 4.x per expert (what 5.x's ``save_pretrained`` still writes):
-  ``experts.N.gate_proj/up_proj/down_proj.weight`` (Qwen, OLMoE) or, under Mixtral's
-  ``block_sparse_moe``, ``experts.N.w1/w3/w2.weight``: a rank opens only its experts'.
+  ``experts.N.gate_proj/up_proj/down_proj.weight`` (Qwen, OLMoE, GLM) or, under Mixtral's
+  and MiniMax-M2's ``block_sparse_moe``, ``experts.N.w1/w3/w2.weight``: a rank opens only
+  its experts'.
+
+GLM-4.5 MoE and MiniMax-M2 also carry each MoE layer's fixed selection bias
+(``e_score_correction_bias``, a buffer of the gate), read and written with the router.
 
 Writing produces the per-expert layout (which transformers 4.x and 5.x both load), as
 sharded safetensors with ``model.safetensors.index.json``: one shard of the non-expert
@@ -31,8 +35,13 @@ from safetensors.torch import save_file
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # per-expert names: (gate, up, down) of the 4.x layout
-_PER_EXPERT = {"mixtral": ("w1", "w3", "w2")}
+_PER_EXPERT = {"mixtral": ("w1", "w3", "w2"), "minimax_m2": ("w1", "w3", "w2")}
 _DEFAULT_PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
+# families whose MoE block transformers writes as ``block_sparse_moe`` (it reads both)
+_BLOCK_SPARSE = ("mixtral", "minimax_m2")
+# where the fixed selection bias sits: under the router (GLM) or beside it (MiniMax-M2)
+_BIAS_UNDER_GATE = ("glm4_moe",)
+BIAS = "e_score_correction_bias"
 
 
 class HFFolderError(ValueError):
@@ -111,8 +120,9 @@ def _weight_map(index: Path) -> dict[str, str]:
     return dict(wm)
 
 
-def hf_name(name: str) -> str:
-    """The transformers name of a non-expert ``HFDecoder`` parameter."""
+def hf_name(name: str, model_type: str = "") -> str:
+    """The transformers name of a non-expert ``HFDecoder`` parameter (GLM-4.5 MoE calls
+    its shared expert ``shared_experts``)."""
     if name == "wte.weight":
         return "model.embed_tokens.weight"
     if name == "norm.weight":
@@ -122,7 +132,22 @@ def hf_name(name: str) -> str:
     if not name.startswith("blocks."):
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
     layer, sub = name[len("blocks."):].split(".", 1)
-    return f"model.layers.{layer}.{sub.replace('mlp.gate.router.', 'mlp.gate.')}"
+    sub = sub.replace("mlp.gate.router.", "mlp.gate.")
+    if model_type == "glm4_moe":
+        sub = sub.replace("mlp.shared_expert.", "mlp.shared_experts.")
+    return f"model.layers.{layer}.{sub}"
+
+
+def bias_names(model_type: str, layer: int) -> list[str]:
+    """The names a layer's ``e_score_correction_bias`` may have, the one written first."""
+    if model_type in _BIAS_UNDER_GATE:
+        return [f"model.layers.{layer}.mlp.gate.{BIAS}"]
+    mods = ("block_sparse_moe", "mlp") if model_type in _BLOCK_SPARSE else ("mlp",)
+    return [f"model.layers.{layer}.{m}.{BIAS}" for m in mods]
+
+
+def _gate_bias(model: Any, layer: int) -> torch.Tensor | None:
+    return getattr(model.blocks[layer].mlp.gate, BIAS, None)
 
 
 def _missing(src: SafetensorsFolder, name: str, why: str = "") -> MissingTensorError:
@@ -167,18 +192,33 @@ def _expert_targets(model: Any, src: SafetensorsFolder, layer: int) -> Iterator[
         yield names[2], None, experts.down_proj[e - lo]
 
 
+def _bias_targets(model: Any, src: SafetensorsFolder) -> Iterator[Target]:
+    """Each MoE layer's fixed selection bias (GLM-4.5 MoE, MiniMax-M2), by either name."""
+    for layer in model.config.moe_layers:
+        bias = _gate_bias(model, layer)
+        if bias is None:
+            continue
+        names = bias_names(model.config.model_type, layer)
+        found = [n for n in names if n in src]
+        if not found:
+            raise _missing(src, names[-1], " (the router's e_score_correction_bias)")
+        yield found[0], None, bias
+
+
 def _targets(model: Any, src: SafetensorsFolder) -> Iterator[Target]:
     """Every tensor a load reads, in load order; a missing one is a named error before any
     later tensor is read. Shared by the load and the check, so they cannot disagree."""
+    mt = model.config.model_type
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as wte
         if ".mlp.experts." in name:
             continue
-        hn = hf_name(name)
+        hn = hf_name(name, mt)
         if hn not in src and ".mlp." in hn:
             hn = hn.replace(".mlp.", ".block_sparse_moe.")
         if hn not in src:
-            raise _missing(src, hf_name(name))
+            raise _missing(src, hf_name(name, mt))
         yield hn, None, p
+    yield from _bias_targets(model, src)
     for layer in model.config.moe_layers:
         yield from _expert_targets(model, src, layer)
 
@@ -224,7 +264,7 @@ def _shard_name(i: int, n: int) -> str:
 def expert_tensors(model: Any) -> dict[str, torch.Tensor]:
     """This rank's experts in the per-expert (4.x) layout, by transformers name."""
     cfg = model.config
-    mixtral = cfg.model_type == "mixtral"
+    mixtral = cfg.model_type in _BLOCK_SPARSE
     g_n, u_n, d_n = _PER_EXPERT.get(cfg.model_type, _DEFAULT_PER_EXPERT)
     out: dict[str, torch.Tensor] = {}
     for layer in cfg.moe_layers:
@@ -240,16 +280,22 @@ def expert_tensors(model: Any) -> dict[str, torch.Tensor]:
 
 
 def dense_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor by transformers name (a tied lm_head is not written)."""
-    mixtral = model.config.model_type == "mixtral"
+    """Every non-expert tensor by transformers name (a tied lm_head is not written), the
+    fixed selection biases included."""
+    mt = model.config.model_type
+    mixtral = mt in _BLOCK_SPARSE
     out = {}
     for name, p in model.named_parameters():
         if ".mlp.experts." in name:
             continue
-        hn = hf_name(name)
+        hn = hf_name(name, mt)
         if mixtral and ".mlp.gate." in hn:
             hn = hn.replace(".mlp.", ".block_sparse_moe.")
         out[hn] = p.detach().contiguous().clone()
+    for layer in model.config.moe_layers:
+        bias = _gate_bias(model, layer)
+        if bias is not None:
+            out[bias_names(mt, layer)[0]] = bias.detach().contiguous().clone()
     return out
 
 
@@ -280,7 +326,7 @@ def write_shards(model: Any, folder: Path, ep_rank: int, write_dense: bool) -> N
 def _expert_names(model: Any, ep_rank: int) -> list[str]:
     cfg = model.config
     g_n, u_n, d_n = _PER_EXPERT.get(cfg.model_type, _DEFAULT_PER_EXPERT)
-    mod = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+    mod = "block_sparse_moe" if cfg.model_type in _BLOCK_SPARSE else "mlp"
     per = cfg.num_experts // cfg.ep_size
     return [f"model.layers.{layer}.{mod}.experts.{e}.{n}.weight"
             for layer in cfg.moe_layers for e in range(ep_rank * per, (ep_rank + 1) * per)
