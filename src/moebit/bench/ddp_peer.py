@@ -169,8 +169,9 @@ def worker(cfg: TrainConfig, run_dir: Path, peer: str, rank: int, start_iter: in
     dist.destroy_process_group()
 
 
-def run_worker(argv: list[str]) -> int:
-    """One rank of a DDP peer run (started by ``python -m moebit.cli.ddp_peer``)."""
+def main(argv: list[str]) -> int:
+    """One rank of a DDP peer run (started by ``python -m moebit.cli.ddp_peer``, through
+    ``moebit.runs.runtime``, which calls this module's ``main``)."""
     ap = argparse.ArgumentParser(prog="python -m moebit.bench.ddp_peer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", choices=PEERS, required=True)
@@ -187,4 +188,4 @@ def run_worker(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_worker(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
