@@ -93,6 +93,8 @@ def test_replicas_agree_after_each_sync_and_differ_between(diloco_run: Path):
 
 def test_outer_metrics_records_and_bytes(diloco_run: Path):
     recs = records(diloco_run)
+    assert recs[0]["kind"] == "start" and recs[0]["outer"] == "diloco"
+    assert recs[0]["outer_workers"] == 2 and recs[0]["outer_fragments"] == 1
     outer = [r for r in recs if r["kind"] == "outer"]
     assert [r["step"] for r in outer] == [4, 8]
     for r in outer:

@@ -65,6 +65,7 @@ from moebit.training.setup import (
     make_outer_groups,
     open_metrics,
     outer_checkpoint,
+    outer_start_fields,
     param_groups,
     resume_or_broadcast,
     saved_totals,
@@ -176,7 +177,8 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
         say({"kind": "resume", "step": first_step, "from": str(resumed.path),
              "world_size": info.world_size, "resharded": resumed.resharded})
     else:
-        say({**start_record(cfg, info, model, corpus), **hooks.start(loop)})
+        say({**start_record(cfg, info, model, corpus), **outer_start_fields(outer, groups),
+             **hooks.start(loop)})
     meter = Meter(tokens_per_step, saved_totals(resumed, tokens_per_step),
                   model.num_expert_params() > 0, comm_origin)
     return Run(cfg, run_dir, info, hooks, model, opt, batches, loop, meter, say, log, trackers,

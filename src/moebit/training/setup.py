@@ -116,6 +116,15 @@ def make_outer(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer,
     return build_outer_optimizer(opt, blocks, groups.outer, **outer_keys(cfg, len(blocks)))
 
 
+def outer_start_fields(outer: OuterOptimizer | None, groups: OuterGroups | None
+                       ) -> dict[str, Any]:
+    """The outer optimizer's shape for the ``start`` record (nothing without one)."""
+    if outer is None or groups is None:
+        return {}
+    return {"outer_workers": groups.workers, "outer_fragments": outer.fragments,
+            "outer_state_bytes": outer.state_bytes()}
+
+
 def outer_topology(groups: OuterGroups) -> dict[str, Any]:
     """What a checkpoint's outer state depends on besides the schedule: a resume must find
     the same workers (outer group) and node size, or theta_sync would belong to others."""
@@ -196,6 +205,6 @@ def saved_totals(resumed: ckpt_io.Resumed | None, tokens_per_step: int) -> RunTo
 def start_record(cfg: TrainConfig, info: DistInfo, model: CausalLM, corpus: Any) -> dict[str, Any]:
     return {"kind": "start", "n_params": model.num_params(), "world_size": info.world_size,
             "n_expert_params": model.num_expert_params(),
-            "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
+            "optimizer": cfg.optimizer, "outer": cfg.outer, "unigram_entropy": corpus.unigram_entropy(),
             "corpus": corpus.source, "train_bytes": len(corpus.train),
             "val_bytes": len(corpus.val), "threads": torch.get_num_threads()}
