@@ -252,8 +252,9 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
         for r in ranks:
             label = f"ddp powersgd r={r}" if peer == "powersgd" else "ddp fp16 hook"
             run_dir = out / (f"ddp-powersgd-r{r}" if peer == "powersgd" else "ddp-fp16")
-            jobs.append((label, _peer_argv(extra, peer, int(r), args.nproc, args.steps, run_dir,
-                                           args.seed, args.freeze_step), run_dir))
+            argv = _peer_argv(without_outer(extra), peer, int(r), args.nproc, args.steps,
+                              run_dir, args.seed, args.freeze_step)
+            jobs.append((label, argv, run_dir))
     return jobs
 
 
