@@ -94,6 +94,7 @@ def test_bench_rows_wrap_adam_and_only_they_take_the_outer_flags():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two launchers on a loaded machine: torchrun's start is slow
 def test_two_launchers_train_as_two_diloco_workers(tmp_path: Path, small_corpus: Path):
     """--nnodes 2 --outer-group node: each launcher's node is one worker (one rank here);
     they meet only at the syncs, and end on one agreed model."""
@@ -162,6 +163,7 @@ def _rank_pid(tag: str, rank: int) -> int | None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_max_restarts_resumes_a_diloco_run(tmp_path: Path, small_corpus: Path):
     """A rank killed after the first checkpoint (step 10, mid-interval of H=4): torchrun
     restarts the ranks, they restore the outer state and the run finishes."""

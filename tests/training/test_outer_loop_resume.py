@@ -49,6 +49,7 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
+@pytest.mark.timeout(700)  # two runs on up to 4 ranks
 @pytest.mark.parametrize("name", list(CASES))
 def test_resume_mid_interval_is_bit_exact(small_corpus: Path, tmp_path: Path, name: str):
     world, settings = CASES[name]
