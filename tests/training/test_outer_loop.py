@@ -120,3 +120,28 @@ def test_tensorboard_tags_of_an_outer_record(diloco_run: Path):
     assert tags.step == 4
     assert tags.scalars["outer/outer_pseudo_grad_norm"] == rec["outer_pseudo_grad_norm"]
     assert "outer/outer_seconds" in tags.scalars
+
+
+def test_model_blocks_and_the_default_fragments():
+    from moebit.models.gpt import GPT, GPTConfig
+    from moebit.training.setup import model_blocks, outer_fragments
+
+    model = GPT(GPTConfig(n_layer=3, n_head=2, d_model=32, block_size=32))
+    blocks = model_blocks(model)
+    assert len(blocks) == 5  # embeddings, 3 layers, final norm (+ head unless tied)
+    ids = [id(p) for b in blocks for p in b]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sorted(ids) == sorted(id(p) for p in trainable) and len(ids) == len(set(ids))
+    assert {id(p) for p in model.blocks[1].parameters()} == {id(p) for p in blocks[2]}
+    assert id(model.wte.weight) in {id(p) for p in blocks[0]}
+    model.wpe.weight.requires_grad_(False)  # frozen parameters are not synced
+    assert id(model.wpe.weight) not in {id(p) for b in model_blocks(model) for p in b}
+
+    def cfg(**kw):
+        return build({"outer_every": 8, **kw})
+
+    assert outer_fragments(cfg(outer="diloco"), 5) == 1
+    assert outer_fragments(cfg(outer="streaming_diloco"), 5) == 5  # one per block
+    assert outer_fragments(cfg(outer="streaming_diloco"), 12) == 8  # at most H
+    assert outer_fragments(cfg(outer="streaming_diloco", outer_delay=3), 5) == 2  # D*F < H
+    assert outer_fragments(cfg(outer="streaming_diloco", outer_fragments=3), 5) == 3
