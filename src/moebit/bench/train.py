@@ -13,6 +13,12 @@ E / ep_size experts per MoE block and ep_size 1: every rank of the real run comp
 that many experts on as many token-expert pairs (its share of the balanced routing), so
 the FLOPs per rank match and only the all-to-alls and gradient averages are gone.
 
+``--optimizers adam,diloco,streaming_diloco`` adds DiLoCo rows: the inner optimizer is
+``adam`` (torch's AdamW with ``--weight-decay``, as in the adam row) wrapped by
+``--outer diloco`` / ``--outer streaming_diloco``. The ``--outer-*`` flags after ``--``
+apply only to those rows (the other rows drop them), and they run with
+``--outer-group world`` unless given: on one machine every rank is its own worker.
+
 ``--a2a-dtypes fp32,bf16,int8`` runs each optimizer once per token all-to-all wire format
 (forward and backward). ``--peers powersgd,fp16`` adds torch DDP with torch's PowerSGD
 hook (rank ``--powersgd-rank``, a list gives one row each) and fp16 hook on the same
@@ -22,6 +28,7 @@ time until the validation loss first reaches L, the headline column when it is g
     moebit bench train --optimizers adam,onebit_adam --nproc 4 --steps 2000 --out bench-out/conv
     moebit bench train --link 1gbit --limit --nproc 4 --steps 60 --measure-from 30 -- --batch-size 1
     moebit bench train --optimizers adam,onebit_adam --peers powersgd,fp16 --target-loss 2.2 ...
+    moebit bench train --optimizers adam,diloco,streaming_diloco -- --outer-every 10 --outer-compress 1bit
 """
 
 from __future__ import annotations
@@ -45,6 +52,37 @@ def _train_argv(extra: list[str], optimizer: str, nproc: int, steps: int, run_di
     if freeze is not None and optimizer not in ("adam", "lamb"):
         argv += ["--freeze-step", freeze]
     return argv + extra
+
+
+OUTER_ROWS = ("diloco", "streaming_diloco")  # rows that wrap adam in an outer optimizer
+_OUTER_SWITCHES = ("--outer-nesterov", "--no-outer-nesterov")  # flags without a value
+
+
+def without_outer(extra: list[str]) -> list[str]:
+    """``extra`` without any ``--outer`` / ``--outer-*`` flag (and its value)."""
+    out, skip = [], False
+    for a in extra:
+        if skip:
+            skip = False
+        elif a in _OUTER_SWITCHES:
+            continue
+        elif a == "--outer" or a.startswith("--outer-") or a.startswith("--outer="):
+            skip = "=" not in a
+        else:
+            out.append(a)
+    return out
+
+
+def row_flags(extra: list[str], row: str) -> tuple[str, list[str]]:
+    """The ``--optimizer`` and the flags of one row: an outer row trains adam inside
+    ``--outer ROW`` with the outer flags of ``extra`` (``--outer-group world`` unless
+    given); any other row drops them."""
+    if row not in OUTER_ROWS:
+        return row, without_outer(extra)
+    flags = _without(extra, "--outer")  # the row says which outer optimizer
+    if _flag_value(flags, "--outer-group") is None:
+        flags = [*flags, "--outer-group", "world"]
+    return "adam", [*flags, "--outer", row]
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -100,6 +138,10 @@ def measure(run_dir: Path, measure_from: int, target: float | None = None) -> di
         "grad_comm_s_per_step": split.get("exact", 0.0) + split.get("onebit", 0.0),
         "compute_s_per_step": None if comm is None else step_s - comm,
         "step_bytes_by_kind": after[-1].get("step_bytes_by_kind", {}),
+        # whole run: DiLoCo's traffic comes once per interval, so a window can miss it
+        "bytes_sent_by_kind": end.get("bytes_sent_by_kind", {}),
+        "bytes_sent_per_token": end["bytes_sent"] / max(1, cfg["steps"] * tokens_per_step),
+        "outer": cfg.get("outer", "none"),
         "time_to_target_s": time_to_target(recs, target),
         "a2a_dtype": cfg.get("a2a_dtype"),
     }
@@ -196,20 +238,23 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
     dtypes = args.a2a_dtypes.split(",") if args.a2a_dtypes else [None]
     for opt in args.optimizers.split(","):
         for dt in dtypes:
-            exact = opt in ("adam", "lamb")
+            exact = opt in ("adam", "lamb", *OUTER_ROWS)
             name = opt if exact or args.freeze_step is None else f"{opt}-freeze{args.freeze_step}"
-            flags = extra if dt is None else [*extra, "--a2a-dtype", dt, "--a2a-grad-dtype", dt]
+            inner, flags = row_flags(extra, opt)
+            if dt is not None:
+                flags = [*flags, "--a2a-dtype", dt, "--a2a-grad-dtype", dt]
             label = opt if dt is None else f"{opt} a2a={dt}"
             run_dir = out / (name if dt is None else f"{name}-a2a-{dt}")
-            jobs.append((label, _train_argv(flags, opt, args.nproc, args.steps, run_dir,
+            jobs.append((label, _train_argv(flags, inner, args.nproc, args.steps, run_dir,
                                             args.freeze_step, args.seed), run_dir))
     for peer in args.peers.split(",") if args.peers else []:
         ranks = args.powersgd_rank.split(",") if peer == "powersgd" else ["0"]
         for r in ranks:
             label = f"ddp powersgd r={r}" if peer == "powersgd" else "ddp fp16 hook"
             run_dir = out / (f"ddp-powersgd-r{r}" if peer == "powersgd" else "ddp-fp16")
-            jobs.append((label, _peer_argv(extra, peer, int(r), args.nproc, args.steps, run_dir,
-                                           args.seed, args.freeze_step), run_dir))
+            argv = _peer_argv(without_outer(extra), peer, int(r), args.nproc, args.steps,
+                              run_dir, args.seed, args.freeze_step)
+            jobs.append((label, argv, run_dir))
     return jobs
 
 

@@ -26,7 +26,7 @@ from moebit.cli.launch import (
     run_ranks,
     set_aside_newer,
 )
-from moebit.cli.validate import check_resume, check_run
+from moebit.cli.validate import check_outer_resume, check_resume, check_run, world_of
 from moebit.runs import tracking
 from moebit.training.config import TrainConfig, build, load_file
 
@@ -90,7 +90,9 @@ def check_training(cfg: TrainConfig, launch: dict[str, Any]) -> Path | None:
     if corpus is not None:
         print(f"moebit train: {corpus.summary()}", file=sys.stderr)
     if cfg.resume:
-        return check_resume(Path(str(cfg.run_dir)), cfg, launch.get("resume_from"))
+        d = check_resume(Path(str(cfg.run_dir)), cfg, launch.get("resume_from"))
+        check_outer_resume(d, cfg, world_of(launch))
+        return d
     return None
 
 

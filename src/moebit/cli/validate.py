@@ -9,6 +9,7 @@ folder's writability, resources, and the checkpoint a resume would load.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,15 @@ import torch
 
 from moebit.checkpoint import MANIFEST, CheckpointError, list_complete, read_manifest, verify
 from moebit.cli.args import UsageError
+from moebit.comm.outer_groups import outer_layout
 from moebit.models.hf.folder import check_folder
 from moebit.models.registry import family_of
 from moebit.moe import is_expert_param
+from moebit.optim import OuterSettings
+from moebit.optim.outer_params import check_inner
 from moebit.training.config import ConfigError, TrainConfig
 from moebit.training.data import Corpus, check_block_size, load_corpus
+from moebit.training.setup import make_optimizer, model_blocks, outer_keys
 from moebit.training.state import check_model_config
 
 RANK_BASE_BYTES = 350 << 20  # a rank's own footprint: interpreter, torch, gloo buffers
@@ -50,6 +55,68 @@ def check_parallel(cfg: TrainConfig, world: int) -> None:
         family_of(model).check(model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def meta_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The run's model on the meta device: shapes only, no storage, no process groups."""
+    model = cfg.model_config()
+    fam = family_of(model)
+    with torch.device("meta"):
+        return fam.build(fam.with_ep_size(model, 1), device="meta")
+
+
+def check_outer(cfg: TrainConfig, world: int, nproc: int) -> None:
+    """The outer optimizer against the launch and the model, as the ranks would build it:
+    the two-level topology (``nproc`` ranks per node), the fragments against the model's
+    blocks, the schedule, and that the inner optimizer can be wrapped."""
+    if cfg.outer == "none":
+        return
+    try:
+        layout = outer_layout(world, nproc, cfg.outer_group, cfg.moe.ep_size if cfg.moe else 1)
+    except ValueError as e:
+        raise ConfigError(f"outer_group: {e}") from None
+    meta = meta_model(cfg)
+    blocks = model_blocks(meta)
+    keys = outer_keys(cfg, len(blocks))
+    if keys["outer_fragments"] > len(blocks):
+        raise ConfigError(f"outer_fragments: {keys['outer_fragments']} fragments, but the model "
+                          f"has {len(blocks)} blocks of trainable parameters (embeddings, each "
+                          "layer, final norm and head)")
+    try:
+        OuterSettings(*(keys[k] for k in ("outer_every", "outer_lr", "outer_momentum",
+                                          "outer_nesterov", "outer_compress", "outer_fragments",
+                                          "outer_delay", "outer_alpha", "outer_int8_block")))
+        params = [p for b in blocks for p in b]
+        check_inner(make_optimizer(cfg, [{"params": params}]), params, None)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"outer ({cfg.outer} around optimizer={cfg.optimizer}): {e}") from None
+    workers = len(layout.outer[0])
+    if workers == 1:
+        print(f"moebit train: warning: outer={cfg.outer} with outer_group={cfg.outer_group} on "
+              f"{world} rank(s), {nproc} per node, is one worker: nothing to average between "
+              "workers (outer_group=world makes every rank a worker)", file=sys.stderr)
+
+
+def check_outer_resume(d: Path, cfg: TrainConfig, world: int) -> None:
+    """A DiLoCo checkpoint resumes with the same outer mode, world size and ep size."""
+    manifest = read_manifest(d)
+    saved = manifest.get("config", {}).get("outer", "none")
+    if saved != cfg.outer:
+        raise ConfigError(f"outer: {d} was saved with outer={saved}, this run has "
+                          f"outer={cfg.outer}; resume with the run's own outer settings")
+    if cfg.outer == "none":
+        return
+    ep = cfg.moe.ep_size if cfg.moe else 1
+    if (manifest["world_size"], manifest["ep_size"]) != (world, ep):
+        raise ConfigError(f"outer: {d} was saved on {manifest['world_size']} ranks with ep_size "
+                          f"{manifest['ep_size']}; a run with outer={cfg.outer} resumes on the "
+                          f"same (now {world} ranks, ep_size {ep}): theta_sync is per rank")
+    for key in ("outer_every", "outer_fragments", "outer_delay", "outer_compress",
+                "outer_group"):
+        was = manifest["config"].get(key)
+        if was != getattr(cfg, key):
+            raise ConfigError(f"{key}: {d} was saved with {key}={was!r}, this run has "
+                              f"{getattr(cfg, key)!r}: the outer schedule cannot change mid-run")
 
 
 def check_device(cfg: TrainConfig, nproc: int) -> None:
@@ -140,6 +207,7 @@ def check_run(cfg: TrainConfig, launch: dict[str, Any]) -> Corpus | None:
     nproc = int(launch.get("nproc", 2))
     check_device(cfg, nproc)
     check_parallel(cfg, world)
+    check_outer(cfg, world, nproc)
     check_resources(cfg, nproc, bool(launch.get("force")))
     check_run_dir(Path(cfg.run_dir or "runs"))
     if cfg.init_from:  # weights and tokenizer too, not only config.json: no rank meets them first

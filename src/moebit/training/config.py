@@ -21,11 +21,12 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebit.comm.outer_groups import OUTER_GROUP_MODES
 from moebit.models.gpt import GPTConfig
 from moebit.models.hf.config import read_config
 from moebit.models.registry import family_of, family_of_folder
 from moebit.moe import MoEConfig
-from moebit.optim import EXACT_OPTIMIZERS, optimizer_names
+from moebit.optim import EXACT_OPTIMIZERS, OuterSettings, optimizer_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -58,6 +59,19 @@ class TrainConfig:
     grad_clip: float = 1.0
     freeze_step: str | int | None = None  # 1-bit optimizers: a step, "auto", or ~20% of steps
     steps: int = 300
+    # low-communication training (docs/low-communication.md): an outer optimizer around the
+    # inner one; "none" trains plain data-parallel
+    outer: str = "none"  # none | diloco | streaming_diloco
+    outer_every: int = 0  # H: inner steps between two syncs of a fragment (required with outer)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_compress: str = "none"  # none | bf16 | int8 | 1bit
+    outer_fragments: int = 0  # F; 0: 1 for diloco, as many as fit for streaming_diloco
+    outer_delay: int = 0  # D: inner steps a fragment's exchange overlaps (streaming_diloco)
+    outer_alpha: float = 0.0  # mixing of a late update into the local parameters
+    outer_int8_block: int = 256
+    outer_group: str = "node"  # node: a worker per node; world: every rank its own worker
     # run
     seed: int = 1337
     eval_every: int = 50
@@ -246,7 +260,42 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.freeze_step != "auto" or cfg.optimizer in ("onebit_adam",) + EXACT_OPTIMIZERS,
          "freeze_step", f"'auto' is not supported by {cfg.optimizer} (only onebit_adam has the "
          "auto rule); give a step count")
+    validate_outer(cfg)
     return cfg
+
+
+OUTER_MODES = ("none", "diloco", "streaming_diloco")
+
+
+def validate_outer(cfg: TrainConfig) -> None:
+    """The outer optimizer's settings that do not depend on the model or the launch (the
+    number of blocks and the topology are checked by the launcher, ``moebit.cli.validate``).
+
+    Off (``outer`` none), the other ``outer_*`` keys are ignored, so one config file serves
+    both kinds of run."""
+    if cfg.outer not in OUTER_MODES:
+        raise ConfigError(f"outer: must be one of {', '.join(OUTER_MODES)} (got {cfg.outer!r})")
+    if cfg.outer == "none":
+        return
+    if cfg.outer_every < 1:
+        raise ConfigError(f"outer_every: outer={cfg.outer} needs outer_every >= 1, the inner "
+                          f"steps between two syncs (got {cfg.outer_every!r})")
+    if cfg.outer_group not in OUTER_GROUP_MODES:
+        raise ConfigError(f"outer_group: must be one of {', '.join(OUTER_GROUP_MODES)} "
+                          f"(got {cfg.outer_group!r})")
+    if cfg.outer_fragments < 0:
+        raise ConfigError(f"outer_fragments: must be >= 1, or 0 for the default (got "
+                          f"{cfg.outer_fragments!r})")
+    if cfg.outer == "diloco" and (cfg.outer_fragments > 1 or cfg.outer_delay > 0):
+        key = "outer_fragments" if cfg.outer_fragments > 1 else "outer_delay"
+        raise ConfigError(f"{key}: outer=diloco syncs the whole model at once, without overlap "
+                          f"(got {key}={getattr(cfg, key)!r}); use outer=streaming_diloco")
+    try:  # the library's own checks, with a placeholder of 1 fragment where F is automatic
+        OuterSettings(cfg.outer_every, cfg.outer_lr, cfg.outer_momentum, cfg.outer_nesterov,
+                      cfg.outer_compress, max(1, cfg.outer_fragments), cfg.outer_delay,
+                      cfg.outer_alpha, cfg.outer_int8_block)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_file(path: str) -> dict[str, Any]:

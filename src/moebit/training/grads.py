@@ -29,6 +29,10 @@ class NonFiniteLoss(RuntimeError):
 def average_gradients(opt: torch.optim.Optimizer) -> None:
     """Average each group's gradients over its process group (experts: expert-dp only).
 
+    With an outer optimizer (DiLoCo) the groups carry the inner groups
+    (``moebit.training.setup.param_groups`` with ``groups``): the average then stays
+    inside the worker, and the outer optimizer refuses a group that spans workers.
+
     A missing gradient (an expert that received no token here) counts as zeros, so every
     rank hands the collective buffers of the same size.
     """

@@ -34,11 +34,13 @@ from tqdm import tqdm
 
 from moebit.comm import stats
 from moebit.comm.collectives import DistInfo, init_from_env
+from moebit.comm.outer_groups import OuterGroups
 from moebit.inference.generate import generate_tokens
 from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.interface import CausalLM
 from moebit.models.registry import build_model, family_of
 from moebit.moe import update_router_biases_
+from moebit.optim import OuterOptimizer
 from moebit.runs import runtime, tracking
 from moebit.runs.metrics import MetricsWriter
 from moebit.runs.report import plot_runs
@@ -58,9 +60,14 @@ from moebit.training.grads import (
 from moebit.training.hooks import Hooks, Loop
 from moebit.training.meter import Meter
 from moebit.training.setup import (
+    load_outer,
     lr_at,
     make_optimizer,
+    make_outer,
+    make_outer_groups,
     open_metrics,
+    outer_checkpoint,
+    outer_start_fields,
     param_groups,
     resume_or_broadcast,
     saved_totals,
@@ -90,7 +97,8 @@ def end_record(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer, me
         "tokens_per_s": meter.tokens_per_s(), "frozen_at": getattr(opt, "frozen_at", None),
         "nan_skipped": t.nan_skipped, "collectives": t.collectives,
         "bytes_sent_by_kind": t.bytes_sent_by_kind,
-        "comm_rounds": getattr(opt, "comm_rounds", None),
+        "comm_rounds": getattr(opt, "comm_rounds", None), "outer_syncs": t.outer_syncs,
+        "outer_seconds": t.outer_seconds,
     }
 
 
@@ -136,6 +144,9 @@ class Run:
     nan_streak: int = 0
     postfix: dict[str, str] = field(default_factory=dict)
     unit: dict[str, Any] = field(default_factory=dict)  # the loss's unit (moebit.runs.units)
+    # DiLoCo / Streaming DiLoCo (``outer`` != none): the outer optimizer and its groups
+    outer: OuterOptimizer | None = None
+    groups: OuterGroups | None = None
 
 
 def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
@@ -153,11 +164,15 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
     hooks.init_model(model)
-    opt = make_optimizer(cfg, param_groups(model))
+    groups = make_outer_groups(cfg)  # inner averages stay inside the worker
+    opt = make_optimizer(cfg, param_groups(model, cfg, groups))
     batches = TrainBatches(corpus.train, block, cfg.batch_size, cfg.seed, info.rank)
     vbatches = val_batches(corpus.val, block, cfg.batch_size, cfg.eval_batches, cfg.seed)
     comm_origin = stats.snapshot()  # the run's traffic counts from here, broadcast included
     resumed = resume_or_broadcast(run_dir, model, opt, batches, info, cfg)
+    outer = make_outer(cfg, model, opt, groups)  # theta_sync: the weights every rank now holds
+    if outer is not None and groups is not None and resumed is not None:
+        load_outer(outer, groups, resumed)
     hooks.load_state_dict((resumed.run_state if resumed else {}).get("hooks", {}))
     first_step = resumed.step if resumed else 0
     tokens_per_step = cfg.batch_size * block * info.world_size
@@ -169,13 +184,15 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
         say({"kind": "resume", "step": first_step, "from": str(resumed.path),
              "world_size": info.world_size, "resharded": resumed.resharded})
     else:
-        say({**start_record(cfg, info, model, corpus), **hooks.start(loop)})
+        say({**start_record(cfg, info, model, corpus), **outer_start_fields(outer, groups),
+             **hooks.start(loop)})
     meter = Meter(tokens_per_step, saved_totals(resumed, tokens_per_step),
                   model.num_expert_params() > 0, comm_origin)
     return Run(cfg, run_dir, info, hooks, model, opt, batches, loop, meter, say, log, trackers,
                corpus.unigram_entropy(), first_step,
                time.perf_counter() - (resumed.wall if resumed else 0.0),
-               progress(info, hooks.label, cfg.steps, first_step), unit=unit)
+               progress(info, hooks.label, cfg.steps, first_step), unit=unit, outer=outer,
+               groups=groups)
 
 
 def step_once(r: Run, step: int) -> None:
@@ -202,8 +219,10 @@ def step_once(r: Run, step: int) -> None:
     norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
     loss_value = float(out.loss.detach())
     # Every rank reaches the same verdict: a lone rank that stops or skips would leave
-    # the others blocked in the next collective until the process-group timeout.
-    if non_finite(loss_value, norm, averaged):
+    # the others blocked in the next collective until the process-group timeout. With an
+    # outer optimizer the gradients were averaged inside the worker only, so the verdict
+    # is asked of the world: the workers' outer schedules count the same steps.
+    if non_finite(loss_value, norm, averaged and r.outer is None):
         skip_step(r, step, loss_value, norm)
     else:
         r.nan_streak = 0
@@ -211,6 +230,8 @@ def step_once(r: Run, step: int) -> None:
         opt.step()
         if cfg.moe and cfg.moe.bias_update_speed > 0:
             update_router_biases_(r.model)  # aux-loss-free balancing: loads summed over the world
+        if r.outer is not None:
+            outer_step(r, step)
         clipped = cfg.grad_clip > 0 and norm > cfg.grad_clip
         r.meter.step(time.perf_counter() - t0, loss_value, float(out.aux_loss.detach()), norm,
                      clipped, extra, out.ffn_outputs)
@@ -218,6 +239,16 @@ def step_once(r: Run, step: int) -> None:
             report_freeze(r.say, opt, step + 1, r.meter.clipped_steps / r.meter.steps_trained,
                           info.rank)
     log_step(r, step, lr, extra)
+
+
+def outer_step(r: Run, step: int) -> None:
+    """Count the step taken in the outer schedule; a sync finished here is recorded (an
+    ``outer`` record per sync, and the window's means in the next ``train`` record)."""
+    assert r.outer is not None
+    sync = r.outer.step()
+    if sync is not None:
+        r.meter.outer_sync(sync)
+        r.say({"kind": "outer", "step": step + 1, **sync.as_metrics()})
 
 
 def skip_step(r: Run, step: int, loss_value: float, norm: float) -> None:
@@ -249,7 +280,10 @@ def save_and_evaluate(r: Run, step: int) -> None:
     """The end-of-step duties: the final agreement of replicas, checkpoints, evaluation."""
     cfg = r.cfg
     last = step == cfg.steps - 1
-    if last and hasattr(r.opt, "synchronize"):
+    if last and r.outer is not None:
+        # Every worker ends on one agreed model (0/1 Adam's inner replicas agree first).
+        r.outer.synchronize()
+    elif last and hasattr(r.opt, "synchronize"):
         # 0/1 Adam's replicas drift between syncs: the run ends on one agreed model.
         # Earlier evaluations use each rank's own replica (rank 0's is logged), so that
         # evaluating or saving never changes the trajectory and resumes stay exact.
@@ -260,7 +294,8 @@ def save_and_evaluate(r: Run, step: int) -> None:
         ckpt_io.save(r.run_dir, step + 1, r.model, r.opt, r.batches, r.info, cfg,  # type: ignore[arg-type]
                      wall=time.perf_counter() - r.t_start, train_time=r.meter.train_time,
                      run_state={"totals": r.meter.totals().to_dict(),
-                                "hooks": r.hooks.state_dict()})
+                                "hooks": r.hooks.state_dict()},
+                     outer_state=outer_checkpoint(r.outer, r.groups))
     if (step + 1) % cfg.eval_every == 0 or last:
         r.val_loss = r.loop.validate()
         r.say({"kind": "eval", "step": step + 1, "val_loss": r.val_loss,
@@ -277,6 +312,8 @@ def finish(r: Run) -> dict[str, Any]:
     """The end record (with samples), the trackers and the plots."""
     if r.bar is not None:
         r.bar.close()
+    if r.outer is not None:
+        r.outer.close()
     if math.isnan(r.val_loss):  # resumed at the very end
         r.val_loss = r.loop.validate()
     summary = end_record(r.cfg, r.model, r.opt, r.meter, r.val_loss,

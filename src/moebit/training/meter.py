@@ -16,6 +16,7 @@ import torch
 
 from moebit.comm import stats
 from moebit.moe import router_metrics
+from moebit.optim.outer import SyncRecord
 
 
 @dataclass
@@ -31,6 +32,8 @@ class RunTotals:
     clipped_steps: int = 0
     nan_skipped: int = 0
     bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # token a2a, exact, 1-bit...
+    outer_syncs: int = 0  # outer updates applied (one per fragment sync)
+    outer_seconds: float = 0.0  # in the outer exchanges (in the background with a delay)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,6 +56,18 @@ class Window:
     norm: float = 0.0
     clipped: int = 0
     extra: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, steps]
+    syncs: list[SyncRecord] = field(default_factory=list)  # outer syncs finished in the window
+
+    def outer_means(self) -> dict[str, float]:
+        """The outer syncs of the window: how many, and per sync the mean pseudo-gradient
+        norms (this rank's and the exchanged average's), exchange and waiting seconds."""
+        n = len(self.syncs)
+        if not n:
+            return {}
+        out: dict[str, float] = {"outer_syncs": n}
+        for key in ("pseudo_grad_norm", "mean_pseudo_grad_norm", "seconds", "wait_seconds"):
+            out[f"outer_{key}"] = sum(getattr(r, key) for r in self.syncs) / n
+        return out
 
     def means(self) -> dict[str, float]:
         """The hooks' metrics, each averaged over the steps that reported it."""
@@ -91,6 +106,13 @@ class Meter:
         self.train_time = totals.train_time
         self.steps_trained, self.tokens = totals.steps_trained, totals.tokens
         self.clipped_steps, self.nan_skipped = totals.clipped_steps, totals.nan_skipped
+        self.outer_syncs, self.outer_seconds = totals.outer_syncs, totals.outer_seconds
+
+    def outer_sync(self, rec: SyncRecord) -> None:
+        """An outer sync finished at this step (``OuterOptimizer.step``'s record)."""
+        self.win.syncs.append(rec)
+        self.outer_syncs += 1
+        self.outer_seconds += rec.seconds
 
     def step(self, seconds: float, loss: float, aux: float, norm: float, clipped: bool,
              extra: dict[str, float], ffn_outputs: list[Any]) -> None:
@@ -125,7 +147,8 @@ class Meter:
             collectives=s.collectives + d.calls, train_time=self.train_time,
             steps_trained=self.steps_trained, tokens=self.tokens,
             clipped_steps=self.clipped_steps, nan_skipped=self.nan_skipped,
-            bytes_sent_by_kind=kinds)
+            bytes_sent_by_kind=kinds, outer_syncs=self.outer_syncs,
+            outer_seconds=self.outer_seconds)
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.train_time, 1e-9)
@@ -154,6 +177,7 @@ class Meter:
         if hasattr(opt, "comm_rounds"):
             rec["comm_rounds"] = opt.comm_rounds
         rec.update(w.means())
+        rec.update(w.outer_means())
         if self.is_moe:
             rec["aux_loss"] = w.aux / n
             rec.update(self.last_moe)

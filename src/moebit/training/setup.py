@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from moebit.comm.collectives import DistInfo, broadcast_params_
+from moebit.comm.outer_groups import OuterGroups, inner_param_groups, outer_groups
 from moebit.models.interface import CausalLM, is_expert_param
 from moebit.moe import split_params_for_ep
-from moebit.optim import build_optimizer
+from moebit.optim import OuterOptimizer, build_optimizer, build_outer_optimizer
 from moebit.runs import dtype_probe
 from moebit.runs.metrics import MetricsWriter
 from moebit.training import state as ckpt_io
@@ -33,9 +34,15 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def param_groups(model: CausalLM, cfg: TrainConfig | None = None) -> list[dict[str, Any]]:
+def param_groups(model: CausalLM, cfg: TrainConfig | None = None,
+                 groups: OuterGroups | None = None) -> list[dict[str, Any]]:
     """One group for data-parallel parameters; with expert parallelism the experts get
-    their own group, averaged over the expert-data-parallel group only."""
+    their own group, averaged over the expert-data-parallel group only. With an outer
+    optimizer (``groups``) every average stays inside the worker: dense parameters over
+    the inner group, experts over the inner group's ranks of their ep rank."""
+    if groups is not None:
+        trainable = [p for p in model.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+        return inner_param_groups(trainable, groups, is_expert_param)
     if model.ep_groups is not None:
         return split_params_for_ep(model)  # type: ignore[arg-type]
     return [{"params": [p for p in model.parameters() if p.requires_grad]}]  # type: ignore[attr-defined]
@@ -52,6 +59,102 @@ def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.opti
         freeze_step=cfg.resolved_freeze_step(),
         **cfg.extra,
     )
+
+
+def make_outer_groups(cfg: TrainConfig) -> OuterGroups | None:
+    """The inner and outer groups of an outer optimizer (None without one); a collective:
+    every rank calls it at the same point, after the model made its expert groups."""
+    if cfg.outer == "none":
+        return None
+    return outer_groups(cfg.outer_group, ep_size=cfg.moe.ep_size if cfg.moe else 1)
+
+
+def model_blocks(model: Any) -> list[list[torch.Tensor]]:
+    """The model cut into the outer optimizer's blocks, in order: the parameters before the
+    decoder blocks (embeddings), each decoder block, the parameters after (final norm,
+    head). Works on any ``CausalLM`` (its ``blocks`` list); frozen parameters are left out,
+    and a parameter tied to an earlier one appears once."""
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    before: list[torch.Tensor] = []
+    after: list[torch.Tensor] = []
+    seen_block = False
+    for p in model.parameters():
+        if id(p) in in_blocks:
+            seen_block = True
+        elif p.requires_grad:
+            (after if seen_block else before).append(p)
+    out = [before] + [[p for p in b.parameters() if p.requires_grad] for b in model.blocks]
+    return [b for b in out + [after] if b]
+
+
+def outer_fragments(cfg: TrainConfig, n_blocks: int) -> int:
+    """F: ``outer_fragments``, or by default 1 for DiLoCo and, for Streaming DiLoCo, as many
+    as the model's blocks, the interval (F <= H) and the overlap (D*F < H) allow."""
+    if cfg.outer_fragments:
+        return cfg.outer_fragments
+    if cfg.outer != "streaming_diloco":
+        return 1
+    cap = (cfg.outer_every - 1) // cfg.outer_delay if cfg.outer_delay else cfg.outer_every
+    return max(1, min(n_blocks, cfg.outer_every, cap))
+
+
+def outer_keys(cfg: TrainConfig, n_blocks: int) -> dict[str, Any]:
+    """The flat keys ``build_outer_optimizer`` takes, from the config."""
+    return {"outer_every": cfg.outer_every, "outer_lr": cfg.outer_lr,
+            "outer_momentum": cfg.outer_momentum, "outer_nesterov": cfg.outer_nesterov,
+            "outer_compress": cfg.outer_compress,
+            "outer_fragments": outer_fragments(cfg, n_blocks), "outer_delay": cfg.outer_delay,
+            "outer_alpha": cfg.outer_alpha, "outer_int8_block": cfg.outer_int8_block}
+
+
+def make_outer(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer,
+               groups: OuterGroups | None) -> OuterOptimizer | None:
+    """DiLoCo / Streaming DiLoCo around ``opt``, built once every replica holds the same
+    weights (after the broadcast or the restore): theta_sync starts from them."""
+    if groups is None:
+        return None
+    blocks = model_blocks(model)
+    return build_outer_optimizer(opt, blocks, groups.outer, **outer_keys(cfg, len(blocks)))
+
+
+def outer_start_fields(outer: OuterOptimizer | None, groups: OuterGroups | None
+                       ) -> dict[str, Any]:
+    """The outer optimizer's shape for the ``start`` record (nothing without one)."""
+    if outer is None or groups is None:
+        return {}
+    return {"outer_workers": groups.workers, "outer_fragments": outer.fragments,
+            "outer_state_bytes": outer.state_bytes()}
+
+
+def outer_topology(groups: OuterGroups) -> dict[str, Any]:
+    """What a checkpoint's outer state depends on besides the schedule: a resume must find
+    the same workers (outer group) and node size, or theta_sync would belong to others."""
+    return {"outer_group": groups.mode, "local_world_size": groups.local_world_size,
+            "outer_ranks": list(groups.outer_ranks)}
+
+
+def load_outer(outer: OuterOptimizer, groups: OuterGroups, resumed: ckpt_io.Resumed) -> None:
+    """Restore this rank's outer state from the checkpoint, on the same topology."""
+    saved = resumed.outer or {}
+    now = outer_topology(groups)
+    for key, value in now.items():
+        if saved.get("topology", {}).get(key) != value:
+            raise ckpt_io.CheckpointError(
+                f"{resumed.path}: its outer state was saved with {key}="
+                f"{saved.get('topology', {}).get(key)!r}, this run has {value!r} (LOCAL_WORLD_SIZE "
+                "and outer_group must match: theta_sync belongs to its workers)")
+    try:
+        outer.load_state_dict(saved["state"])
+    except (KeyError, ValueError) as e:
+        raise ckpt_io.CheckpointError(f"{resumed.path}: {e}") from None
+
+
+def outer_checkpoint(outer: OuterOptimizer | None, groups: OuterGroups | None
+                     ) -> dict[str, Any] | None:
+    """What a checkpoint keeps of the outer optimizer (``save(outer_state=...)``)."""
+    if outer is None or groups is None:
+        return None
+    return {"state": outer.state_dict(), "topology": outer_topology(groups)}
 
 
 def broadcast_model(model: CausalLM) -> None:
@@ -103,7 +206,7 @@ def saved_totals(resumed: ckpt_io.Resumed | None, tokens_per_step: int) -> RunTo
 def start_record(cfg: TrainConfig, info: DistInfo, model: CausalLM, corpus: Any) -> dict[str, Any]:
     return {"kind": "start", "n_params": model.num_params(), "world_size": info.world_size,
             "n_expert_params": model.num_expert_params(),
-            "optimizer": cfg.optimizer, "unigram_entropy": corpus.unigram_entropy(),
+            "optimizer": cfg.optimizer, "outer": cfg.outer, "unigram_entropy": corpus.unigram_entropy(),
             "corpus": corpus.source, "train_bytes": len(corpus.train),
             "val_bytes": len(corpus.val), "threads": torch.get_num_threads(),
             **dtype_probe.start_fields(cfg.dtype)}

@@ -58,6 +58,8 @@ class Resumed:
     # What the loop saved beside the model: its whole-run counters and its hooks' state
     # (empty for a checkpoint written before they were saved).
     run_state: dict[str, Any] = field(default_factory=dict)
+    # This rank's outer optimizer state and topology (``save(outer_state=...)``), or None.
+    outer: dict[str, Any] | None = None
 
 
 def _group_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
@@ -84,10 +86,13 @@ def load_optimizer_state(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
          batches: TrainBatches, info: DistInfo, cfg: TrainConfig, *, wall: float,
-         train_time: float, run_state: dict[str, Any] | None = None) -> Path:
+         train_time: float, run_state: dict[str, Any] | None = None,
+         outer_state: dict[str, Any] | None = None) -> Path:
     """Write this rank's shard of step ``step``; rank 0 commits it with the manifest.
 
-    ``run_state`` (plain values and tensors) comes back as ``Resumed.run_state``. A failed
+    ``run_state`` (plain values and tensors) comes back as ``Resumed.run_state``, and
+    ``outer_state`` (this rank's DiLoCo state: every rank of a worker saves its own
+    theta_sync and error buffers) as ``Resumed.outer``. A failed
     write (ENOSPC, EROFS, ...) removes the partial step folder and is one CheckpointError
     naming the folder, the cause and the previous checkpoint, which the failure never
     touches (pruning runs only after a commit).
@@ -95,7 +100,8 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
     d = step_dir(run_dir, step)
     previous = latest(run_dir)
     try:
-        return _save(d, run_dir, step, model, opt, batches, info, cfg, wall, train_time, run_state)
+        return _save(d, run_dir, step, model, opt, batches, info, cfg, wall, train_time, run_state,
+                     outer_state)
     except OSError as e:
         if not (d / MANIFEST).is_file():
             shutil.rmtree(d, ignore_errors=True)
@@ -107,7 +113,8 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
 
 def _save(d: Path, run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
           batches: TrainBatches, info: DistInfo, cfg: TrainConfig, wall: float,
-          train_time: float, run_state: dict[str, Any] | None) -> Path:
+          train_time: float, run_state: dict[str, Any] | None,
+          outer_state: dict[str, Any] | None = None) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     shard = {
         "step": step,
@@ -121,6 +128,8 @@ def _save(d: Path, run_dir: Path, step: int, model: torch.nn.Module, opt: torch.
         "train_time": train_time,
         "run_state": run_state or {},
     }
+    if outer_state is not None:
+        shard["outer"] = outer_state
     path = d / shard_name(info.rank)
     save_atomic(shard, path)
     meta = {"rank": info.rank, "bytes": path.stat().st_size, "sha256": sha256_of(path)}
@@ -184,8 +193,16 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
         load_optimizer_state(opt, shard["optimizer"])
         torch.set_rng_state(shard["rng"])
         batches.load_state_dict(shard["batches"])
+        check_outer_shard(d, cfg, shard.get("outer"))
         return Resumed(shard["step"], shard["wall"], shard["train_time"], d, False,
-                       shard.get("run_state", {}))
+                       shard.get("run_state", {}), shard.get("outer"))
+    saved_outer = manifest["config"].get("outer", "none")
+    if cfg.outer != "none" or saved_outer != "none":
+        raise CheckpointError(
+            f"{d}: an outer-optimizer run (outer={saved_outer} saved, {cfg.outer} now) resumes "
+            f"only on the same world size and ep_size (saved {manifest['world_size']} / "
+            f"{manifest['ep_size']}, now {info.world_size} / {new_ep}): every rank's "
+            "theta_sync and error buffers are its own")
     shards = load_model_weights(d, manifest, model, info.rank, new_ep)
     _reshard_optimizer(d, shards, model, opt, regatherer(model, d, info.rank, new_ep))
     own = d / shard_name(info.rank)
@@ -201,6 +218,18 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
             "1-bit error buffers reset", stacklevel=2)
     s0 = shards[0]
     return Resumed(s0["step"], s0["wall"], s0["train_time"], d, True, mine.get("run_state", {}))
+
+
+def check_outer_shard(d: Path, cfg: TrainConfig, outer: dict[str, Any] | None) -> None:
+    """A checkpoint with outer state resumes with an outer optimizer, and one without it
+    without one: the replicas of a mid-interval checkpoint differ between workers."""
+    if cfg.outer != "none" and outer is None:
+        raise CheckpointError(f"{d} was saved without an outer optimizer; this run has "
+                              f"outer={cfg.outer}: resume with outer=none")
+    if cfg.outer == "none" and outer is not None:
+        raise CheckpointError(f"{d} holds an outer optimizer's state; this run has outer=none: "
+                              "resume with the run's outer settings (between syncs the workers' "
+                              "replicas differ, and plain data parallelism would keep them apart)")
 
 
 def _reshard_optimizer(d: Path, shards: list[dict[str, Any]], model: torch.nn.Module,
