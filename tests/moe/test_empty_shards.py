@@ -162,11 +162,11 @@ def test_moe_layer_with_a_rank_that_has_no_tokens():
 
 def _gpt_body(rank: int, world: int, fmts: list[str]) -> dict:
     from moebit.comm.collectives import init_from_env
-    from moebit.models.build import build_model
+    from moebit.models.registry import build_model
     from moebit.moe import TopKGate
     from moebit.training.config import build
     from moebit.training.evaluation import evaluate
-    from moebit.training.loop import broadcast_model
+    from moebit.training.setup import broadcast_model
 
     info = init_from_env("cpu")
     out = {}
@@ -206,9 +206,9 @@ def test_gpt_train_step_and_evaluation_with_a_rank_whose_experts_get_nothing():
 
 def _gpt_generate_body(rank: int, world: int) -> list[list[int]]:
     from moebit.inference.generate import generate_tokens
-    from moebit.models.build import build_model
+    from moebit.models.registry import build_model
     from moebit.training.config import build
-    from moebit.training.loop import broadcast_model
+    from moebit.training.setup import broadcast_model
 
     out = []
     for fmt in formats():

@@ -8,7 +8,7 @@ N(0, router_std), near zero. With renormalised top-k weights (Mixtral always;
 ``norm_topk_prob`` on the others, the default here) a token's k weights sum to 1 and
 identical experts give back the dense MLP's output, so the upcycled model computes what the
 dense one did (Komatsuzaki et al. 2022, "Sparse Upcycling") until training moves it. The
-algorithm is ``moebit.upcycle.core``; this front end maps the Hugging Face names.
+algorithm is ``moebit.models.upcycling``; this module maps the Hugging Face names.
 
 The output is an ordinary Hugging Face folder: the MoE family's ``config.json`` and sharded
 safetensors in the per-expert layout that transformers' ``save_pretrained`` writes (shard
