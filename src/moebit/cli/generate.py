@@ -34,6 +34,7 @@ from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids, generate_tokens
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
 from moebit.models.registry import family_of, family_of_folder
@@ -131,10 +132,19 @@ def window_warnings(prompts: list[str], max_new_tokens: int, block_size: int) ->
         out.append(f"--max-new-tokens {max_new_tokens}: with block size {block_size}, texts stop "
                    f"when prompt + new bytes fill the window (as few as {room} new bytes here)")
     return out
+HF_MODEL_TYPES = FAMILIES + DENSE_FAMILIES
+
+
+def _hf_checked(path: str) -> bool:
+    """A Hugging Face folder (of a family moebit reads, or of none): check it whole first."""
+    fam = family_of_folder(path)
+    return looks_like_hf_folder(path) and (fam is None or fam.name in HF_MODEL_TYPES)
+
+
 def _source(path: str) -> tuple[Any, Path, Path | None]:
     """(model config, folder, tokenizer.json or None) of a run, a checkpoint or a Hugging
     Face folder; a run trained ``--init-from`` an HF folder decodes with its tokenizer."""
-    if looks_like_hf_folder(path):  # checked whole first: a corrupt folder is one named error
+    if _hf_checked(path):  # checked whole first: a corrupt folder is one named error
         check_folder(path, tokenizer="required")
     fam = family_of_folder(path)
     if fam is not None:

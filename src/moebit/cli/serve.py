@@ -27,10 +27,12 @@ from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids
 from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
+from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.registry import family_of, family_of_folder
 from moebit.serve.server import PortInUse, bind, follow, serve_main
 
+HF_MODEL_TYPES = FAMILIES + DENSE_FAMILIES
 HF_CONTEXT = 2048  # KV-cache columns per slot for a Hugging Face model, unless --context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,6 +65,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _hf_checked(path: str) -> bool:
+    """A Hugging Face folder (of a family moebit reads, or of none): check it whole first."""
+    fam = family_of_folder(path)
+    return looks_like_hf_folder(path) and (fam is None or fam.name in HF_MODEL_TYPES)
+
+
 def check(args: argparse.Namespace) -> int:
     """Validate flags and the checkpoint before any rank starts; the ep size to use."""
     for name in ("max_batch", "max_queue", "prefill_chunk", "nproc"):
@@ -74,7 +82,7 @@ def check(args: argparse.Namespace) -> int:
         raise ValueError("--context must be >= 0 (0: the model's own)")
     if not args.worker:
         bind(args.host, args.port).close()  # PortInUse now, before loading any model
-    if looks_like_hf_folder(args.checkpoint):  # checked whole first: one named error, no traceback
+    if _hf_checked(args.checkpoint):  # checked whole first: one named error, no traceback
         check_folder(args.checkpoint, tokenizer="required")
     fam = family_of_folder(args.checkpoint)
     if fam is not None:

@@ -75,7 +75,11 @@ class HFFamily:
     def owns_folder(self, path: Path) -> bool:
         if not is_hf_folder(path):
             return False
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == self.name
+        try:
+            cfg = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return False  # an unreadable config.json: the folder checks name the problem
+        return isinstance(cfg, dict) and cfg.get("model_type") == self.name
 
     def config_from_dict(self, d: dict[str, Any]) -> HFDecoderConfig:
         return HFDecoderConfig.from_dict(d)

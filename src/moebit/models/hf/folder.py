@@ -148,7 +148,8 @@ def check_folder(path: str | Path, tokenizer: str = "optional") -> HFDecoderConf
     cfg = check_config(path)
     check_weights(cfg, path)
     if tokenizer == "required":
-        check_tokenizer(path, True, cfg.vocab_size)
+        # a byte-level vocabulary (exactly 256 ids) reads and writes UTF-8 bytes without one
+        check_tokenizer(path, cfg.vocab_size != 256, cfg.vocab_size)
     elif tokenizer == "optional":
         check_training_tokenizer(path, cfg.vocab_size)
     return cfg
