@@ -28,12 +28,11 @@ def _target(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def _top_level_imports(path: Path, modules: dict[str, Path], self_name: str) -> set[str]:
-    """moebit modules imported when ``path`` is imported (module level, not under a def)."""
-    tree = ast.parse(path.read_text())
+def _imports_in(nodes: list[ast.AST], modules: dict[str, Path], self_name: str) -> set[str]:
+    """The moebit modules the import statements in (and under) ``nodes`` name."""
     found: set[str] = set()
-    for node in tree.body:
-        for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
+    for node in nodes:
+        for sub in ast.walk(node):
             if isinstance(sub, ast.Import):
                 names = [a.name for a in sub.names]
             elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
@@ -45,6 +44,13 @@ def _top_level_imports(path: Path, modules: dict[str, Path], self_name: str) -> 
                 if t and t != self_name:
                     found.add(t)
     return found
+
+
+def _top_level_imports(path: Path, modules: dict[str, Path], self_name: str) -> set[str]:
+    """moebit modules imported when ``path`` is imported (module level, not under a def)."""
+    body = [n for n in ast.parse(path.read_text()).body
+            if not isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    return _imports_in(body, modules, self_name)
 
 
 def test_no_import_cycles():
@@ -97,19 +103,7 @@ def _package(module: str) -> str:
 
 def _all_imports(path: Path, modules: dict[str, Path], self_name: str) -> set[str]:
     """Every moebit module ``path`` imports, at module level or inside a function."""
-    found: set[str] = set()
-    for sub in ast.walk(ast.parse(path.read_text())):
-        if isinstance(sub, ast.Import):
-            names = [a.name for a in sub.names]
-        elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
-            names = [f"{sub.module}.{a.name}" for a in sub.names]
-        else:
-            continue
-        for n in names:
-            t = _target(n, modules) if n.startswith("moebit") else None
-            if t and t != self_name:
-                found.add(t)
-    return found
+    return _imports_in([ast.parse(path.read_text())], modules, self_name)
 
 
 def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
