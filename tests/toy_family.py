@@ -122,8 +122,12 @@ class ToyFamily:
 
     def owns_folder(self, path: Path) -> bool:
         f = Path(path) / "config.json"
-        return (f.is_file() and (Path(path) / "model.safetensors").is_file()
-                and json.loads(f.read_text()).get("model_type") == TYPE)
+        if not (f.is_file() and (Path(path) / "model.safetensors").is_file()):
+            return False
+        try:
+            return json.loads(f.read_text()).get("model_type") == TYPE
+        except (OSError, ValueError):
+            return False
 
     def config_from_dict(self, d: dict[str, Any]) -> ToyConfig:
         return ToyConfig(**d)

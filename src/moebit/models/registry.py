@@ -58,11 +58,21 @@ def family_of_dict(d: dict[str, Any], where: str = "model_config") -> ModelFamil
 
 
 def family_of_folder(path: str | Path) -> ModelFamily | None:
-    """The family whose model folder ``path`` is, or None (not a model folder)."""
+    """The family whose model folder ``path`` is, or None (not a model folder).
+
+    A family that cannot read the folder (a broken config.json) does not own it: the folder
+    checks that follow name the broken file, rather than one family's parser error."""
     p = Path(path)
     if not p.is_dir():
         return None
-    return next((f for f in _FAMILIES if f.owns_folder(p)), None)
+    return next((f for f in _FAMILIES if _owns_folder(f, p)), None)
+
+
+def _owns_folder(fam: ModelFamily, p: Path) -> bool:
+    try:
+        return fam.owns_folder(p)
+    except (OSError, ValueError):
+        return False
 
 
 def config_from_dict(d: dict[str, Any], where: str = "model_config") -> Any:
