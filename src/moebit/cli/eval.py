@@ -22,20 +22,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import torch
 from tqdm import tqdm
 
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.inference.loading import load_model, resolve_checkpoint
 from moebit.models.hf.tokens import TOKENIZER_FILE
+from moebit.runs.plots import pyplot
 from moebit.runs.units import bits_per_byte, loss_unit, unit_name
 from moebit.training.data import load_corpus, val_batches
 from moebit.training.evaluation import evaluate
 from moebit.training.tokenized import corpus_for_model
-
-matplotlib.use("Agg")  # files only: no display on a training machine
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 USAGE_ERRORS = (CheckpointError, ValueError, OSError)
 
@@ -134,6 +131,7 @@ def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
     for r in rows:
         name = re.sub(r"-s\d+$", "", Path(r["run"].rstrip("/")).name)
         groups.setdefault(name, []).append(r["val_loss"])
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(groups) + 1.2))
     for i, vals in enumerate(groups.values()):
         mean = sum(vals) / len(vals)

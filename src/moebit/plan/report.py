@@ -6,14 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
-import matplotlib.pyplot as plt  # noqa: E402
-
-from moebit.plan.cluster import ClusterSpec  # noqa: E402
+from moebit.plan.cluster import ClusterSpec
 from moebit.plan.model import Setup, compare
 from moebit.plan.spec import ModelSpec
+from moebit.runs.plots import pyplot
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -105,6 +101,7 @@ def plot(model: ModelSpec, cluster: ClusterSpec, setup: Setup, optimizers: list[
         if fname.endswith("nodes.png"):
             xs = [n for n in xs if (n * cluster.devices_per_node) % setup.ep_size == 0]
         ys = sweep(model, cluster, setup, optimizers, xs, vary)
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))
         styles = [("o", "-"), ("s", "--"), ("^", "-."), ("x", ":"), ("d", "-")]
         for (o, y), (mk, ls) in zip(ys.items(), styles * 2, strict=False):

@@ -10,13 +10,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
 from moebit.runs import metrics
+from moebit.runs.plots import pyplot
 from moebit.runs.units import bits_per_byte, unit_name
-
-matplotlib.use("Agg")  # files only: the tool runs on machines without a screen
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 class ReportError(ValueError):
@@ -146,6 +142,7 @@ def plot_runs(runs: list[Path], out_dir: Path) -> list[Path]:
     all_recs = [read_metrics(run) for run in runs]
     offsets = [_step_offset(recs) for recs in all_recs]
     distilled = any(offsets)
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3 if distilled else 2, figsize=(18 if distilled else 12, 4.5))
     ax_step, ax_wall = axes[0], axes[1]
     ax_kd = axes[2] if distilled else None
@@ -212,6 +209,7 @@ def _plot_expert_load(runs: list[Path], out_dir: Path) -> list[Path]:
         if not tr:
             continue
         n_layers = len(tr[0]["expert_load"])
+        plt = pyplot()
         fig, axes = plt.subplots(1, n_layers, figsize=(4.5 * n_layers, 3.5), squeeze=False)
         steps = [r["step"] for r in tr]
         for li in range(n_layers):
