@@ -100,11 +100,16 @@ def test_bench_a2a_measures_each_wire_format(tmp_path: Path) -> None:
 @pytest.mark.skipif(not can_shape, reason="needs root, Linux and iproute2 (ip, tc)")
 def test_bench_a2a_on_two_emulated_nodes(tmp_path: Path) -> None:
     out = tmp_path / "two.json"
-    res = subprocess.run([sys.executable, "-m", "moebit.cli", "bench", "a2a", "--two-nodes",
-                          "--link", "1gbit", "--nproc", "4", "--experts", "4", "--tokens", "32",
-                          "--d-model", "32", "--reps", "1", "--warmup", "0", "--dtypes", "fp32",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    bench = subprocess.Popen([sys.executable, "-m", "moebit.cli", "bench", "a2a", "--two-nodes",
+                              "--link", "1gbit", "--nproc", "4", "--experts", "4", "--tokens",
+                              "32", "--d-model", "32", "--reps", "1", "--warmup", "0",
+                              "--dtypes", "fp32", "--json", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = bench.communicate(timeout=300)
+    assert bench.returncode == 0, err[-3000:]
     got = json.loads(out.read_text())["results"]
     assert set(got) == {"fp32", "fp32 hierarchical"}
-    assert not [p for p in Path("/etc/netns").glob("moebit-n*")], "namespaces left behind"
+    # the bench's namespaces are moebit-n<node>-<its pid><4 hex digits>
+    left = [p.name for p in Path("/etc/netns").glob(f"moebit-n*-{bench.pid}*")
+            if len(p.name.rsplit("-", 1)[1]) == len(str(bench.pid)) + 4]
+    assert not left, f"namespaces left behind: {left}"

@@ -61,8 +61,11 @@ def test_refuses_without_tc(monkeypatch):
 
 
 def _namespaces() -> set[str]:
+    """This process's benchmark namespaces (named after its pid: tests running beside this
+    one in other processes make their own)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+    mine = f"moebit-{os.getpid()}-"
+    return {line.split()[0] for line in out.splitlines() if line.startswith(mine)}
 
 
 @pytest.mark.skipif(not can_shape, reason="needs root with ip and tc on Linux")
