@@ -26,10 +26,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import jinja2  # torch's own dependency: renders Hugging Face chat templates
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from moebit.models.hf.tokens import load_tokenizer
 
 NEWLINE = 10  # an empty prompt starts from a newline byte, as in moebit generate
@@ -76,8 +72,18 @@ class ByteTokenizer:
         return self.chat_template(messages)
 
 
+def _jinja() -> Any:
+    """jinja2 (torch's own dependency), imported on the first chat template: every training
+    rank imports this module, and only a server or a chat prompt renders a template."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    return jinja2
+
+
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise _jinja().exceptions.TemplateError(message)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -87,10 +93,12 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 @functools.lru_cache(maxsize=8)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """A template compiled in transformers' environment (cached: compiling is the slow part)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+def compile_chat_template(source: str) -> Any:
+    """A jinja2 Template compiled in transformers' environment (cached: compiling is the
+    slow part)."""
+    jinja2 = _jinja()
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -106,6 +114,7 @@ def render_chat(source: str, messages: list[dict[str, Any]], special: dict[str, 
     failure of the template is a ChatTemplateError (a 400 for the server)."""
     plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
     template = compile_chat_template(source)
+    jinja2 = _jinja()
     try:
         return template.render(messages=plain, tools=None, documents=None,
                                add_generation_prompt=add_generation_prompt, **(special or {}))
