@@ -76,7 +76,9 @@ def _child(
         out.put((rank, False, traceback.format_exc()))
 
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "moebit.training.loop"]
+# torch._dynamo: every torch optimizer imports it on construction (its methods are wrapped
+# in torch._disable_dynamo), seconds per rank that the fork server then pays once.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "moebit.training.loop"]
 _ctx: Any = None
 
 

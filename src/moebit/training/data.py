@@ -13,6 +13,7 @@ import codecs
 import glob
 import hashlib
 import math
+import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,13 +68,19 @@ def summary_line(n_files: int, used: int, skipped: list[tuple[str, str, int]], l
             + ", ".join(parts) + (f", and {more} more" if more > 0 else ""))
 
 
+_NOT_STDLIB = ("site-packages", "dist-packages")
+
+
 def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's .py files, sorted. Installed packages are pruned from the walk,
+    not filtered after it: a Python's own site-packages can hold gigabytes, and every rank of
+    every run on the default corpus lists these files."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        f for f in root.rglob("*.py")
-        if "site-packages" not in f.parts and "dist-packages" not in f.parts and f.is_file()
-    )
-    return root, files
+    files = []
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = [s for s in subdirs if s not in _NOT_STDLIB]
+        files += [Path(d, n) for n in names if n.endswith(".py") and os.path.isfile(Path(d, n))]
+    return root, sorted(files)
 
 
 def is_validation(relpath: str) -> bool:
