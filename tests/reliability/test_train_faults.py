@@ -112,10 +112,10 @@ def test_sigint_prints_the_stop_line_and_exits_130(tmp_path: Path, small_corpus:
 @pytest.mark.timeout(1800)
 def test_many_short_runs_all_exit_0(tmp_path: Path, small_corpus: Path):
     """Item 5: finished runs used to abort at exit now and then ("terminate called without
-    an active exception"), about 1 in 10. 6 runs, three at a time (a race at teardown is no
-    less likely with neighbours); MOEBIT_TEST_SHORT_RUNS overrides the count (30 were run
-    once, all exit 0)."""
-    n = int(os.environ.get("MOEBIT_TEST_SHORT_RUNS", "6"))
+    an active exception"), about 1 in 10. 3 runs at once (a race at teardown is no less
+    likely with neighbours; 6 ranks exit); MOEBIT_TEST_SHORT_RUNS overrides the count (30
+    were run once, all exit 0)."""
+    n = int(os.environ.get("MOEBIT_TEST_SHORT_RUNS", "3"))
     for wave in range(0, n, 3):
         procs = {i: train(["--data", str(small_corpus), "--d-model", "32", "--steps", "2",
                            "--threads", "1", "--run-dir", str(tmp_path / f"r{i}")])
@@ -124,3 +124,24 @@ def test_many_short_runs_all_exit_0(tmp_path: Path, small_corpus: Path):
             out = proc.communicate(timeout=300)[0]
             assert proc.returncode == 0, f"run {i}: " + out[-3000:]
             assert "terminate called" not in out and (tmp_path / f"r{i}" / "loss.png").is_file()
+
+
+def test_running_ranks_in_process_gives_the_callers_signal_handlers_back(tmp_path: Path,
+                                                                        small_corpus: Path):
+    """torchrun's agent installs its own SIGINT/SIGTERM handlers and never restores them: a
+    caller running ``moebit train`` in-process (a test, a notebook) kept them, so its own
+    Ctrl-C became torchrun's SignalException."""
+    import signal
+
+    from moebit.cli import main as moebit
+
+    mine = {sig: (lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.signal(sig, h) for sig, h in mine.items()}
+    try:
+        assert moebit(["train", "--data", str(small_corpus), "--d-model", "32", "--n-layer", "1",
+                       "--steps", "1", "--nproc", "1", "--threads", "1", "--samples", "0",
+                       "--run-dir", str(tmp_path / "run")]) == 0
+        assert {sig: signal.getsignal(sig) for sig in mine} == mine
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)

@@ -33,6 +33,7 @@ from torch.distributed.run import get_args_parser, run
 
 from moebit.checkpoint import latest, read_manifest, remove_incomplete, write_text_atomic
 from moebit.cli.args import RunStopped, UsageError
+from moebit.cli.signals import restore_signal_handlers, signal_handlers
 from moebit.runs import dtype_probe, metrics
 from moebit.runs import lock as runlock
 from moebit.runs.runtime import ENV_ERRORS
@@ -194,6 +195,7 @@ def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     end_before = last_end(run_dir)
+    handlers = signal_handlers()
     try:
         with restart_notices(errors, what, run_dir, int(launch.get("max_restarts", 0) or 0)):
             run(get_args_parser().parse_args(args))
@@ -213,6 +215,7 @@ def run_ranks(launch: dict[str, Any], module: str, module_args: list[str], what:
         leave_promptly(128 + int(e.sigval))
         raise RunStopped(stop_line(what, run_dir, after_failure), 128 + int(e.sigval)) from None
     finally:
+        restore_signal_handlers(handlers)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
