@@ -3,6 +3,11 @@
 # pyproject.toml or constraints.txt changed).
 
 PYTHON ?= python3
+# Test files run in this many processes at once (pytest-xdist, one file per process at a
+# time so module-scoped fixtures are built once): most of a test's wall time is a
+# single-threaded process start or a rank waiting on another, so two workers keep both
+# cores of a small machine busy. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -22,7 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
