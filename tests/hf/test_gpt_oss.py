@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from hf_models import run_moebit, text_corpus, train_tokenizer
@@ -22,9 +24,12 @@ from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config
 from moebit.inference.generate import generate_tokens
 from moebit.models.hf import mxfp4
 from moebit.models.hf.config import HFDecoderConfig
+from moebit.models.hf.tokens import load_tokenizer
 from moebit.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))  # moebit serve in a subprocess
+from serve_helpers import Server  # noqa: E402
 
 WINDOW = 4  # gpt-oss's sliding window here: smaller than every test sequence
 BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -137,6 +142,7 @@ def _ep_rank(rank: int, world: int, folders: dict, outs: dict) -> dict:
     return res
 
 
+@pytest.mark.timeout(600)
 def test_ep2_matches_one_process(folders, tmp_path):
     """One spawned pool of 2 ranks for both families: logits, greedy decoding, the EP save."""
     srcs = {f: str(folders[f][0]) for f in FAMILIES}
@@ -261,8 +267,10 @@ def test_transformers_defaults_fill_a_sparse_config():
     assert (cfg.swiglu_limit, cfg.rms_norm_eps, cfg.swiglu_up_shift) == (7.0, 1e-5, 1.0)
 
 
-def test_train_init_from_ep2_and_export(tmp_path):
-    """moebit train --init-from a gpt-oss folder with 2 expert-parallel ranks, then export."""
+@pytest.mark.timeout(900)  # four subprocesses (two of them 2-rank) on a loaded 2-core host
+def test_train_init_from_ep2_export_generate_serve(tmp_path):
+    """moebit train --init-from a gpt-oss folder with 2 expert-parallel ranks, export, then
+    ``moebit generate`` and ``moebit serve`` on the export give moebit's greedy tokens."""
     src = tmp_path / "hf"
     make_model("gpt_oss", src, vocab_size=320)
     train_tokenizer(src)
@@ -284,3 +292,17 @@ def test_train_init_from_ep2_and_export(tmp_path):
         assert (orig(ids).logits - back(ids).logits).abs().max() > 1e-3  # it did train
     sinks = [n for n, _ in back.named_parameters() if n.endswith("sinks")]
     assert len(sinks) == 3
+    tok = load_tokenizer(tmp_path / "out")
+    prompt = "def wrap(text, width"  # longer than the window in tokens, and so is the answer
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    assert len(ids) > WINDOW
+    want = tok.decode(generate_tokens(mine, [ids], 8, temperature=0, eos=[]).tokens[0])
+    r = run_moebit(["generate", str(tmp_path / "out"), "--prompt", prompt, "--temperature", "0",
+                    "--max-new-tokens", "8", "--threads", "1"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith(prompt + want)
+    with Server(tmp_path / "out", "--context", "64", "--max-batch", "2") as server:
+        got = httpx.post(server.url + "/v1/completions", timeout=120,
+                         json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want
