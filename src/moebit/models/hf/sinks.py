@@ -49,6 +49,25 @@ def sink_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks_H: torch.
                                           enable_gqa=gqa)
 
 
+def cached_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          sinks_H: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``sink_sdpa`` for decoding, written out: the few queries of a step against the cached
+    keys, each key/value head's query heads as one matrix (no repeated keys), the sink
+    column appended to the scores, not to the cache (which would copy every cached key
+    each step)."""
+    b, h, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv
+    q_BKMd = q.reshape(b, hkv, g * t, d)  # query heads of one kv head: rows (head, query)
+    scores = torch.matmul(q_BKMd, k.transpose(-1, -2)) * d ** -0.5  # [B, Hkv, G*t, S]
+    mask = allowed.expand(allowed.shape[0], 1, t, s).reshape(allowed.shape[0], 1, 1, t, s)
+    scores = scores.view(b, hkv, g, t, s).masked_fill(~mask, float("-inf"))
+    sink = sinks_H.to(scores.dtype).view(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :s]
+    out = torch.matmul(probs.reshape(b, hkv, g * t, s), v)  # [B, Hkv, G*t, d]
+    return out.view(b, h, t, d)
+
+
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        sinks_H: torch.Tensor | None, window: int | None,
                        cache: KVCache | None, layer: int, dropout: float = 0.0) -> torch.Tensor:
@@ -68,4 +87,6 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     allowed = _allowed(q_cols, k_cols, window)[None, None]
     if base is not None:
         allowed = allowed & base[..., lo:]
-    return sink_sdpa(q, keys[:, :, lo:], values[:, :, lo:], sinks_H, allowed)
+    if sinks_H is None:
+        return sink_sdpa(q, keys[:, :, lo:], values[:, :, lo:], None, allowed)
+    return cached_sink_attention(q, keys[:, :, lo:], values[:, :, lo:], sinks_H, allowed)
