@@ -261,11 +261,6 @@ def test_unsupported_options_are_named(family, extra, named):
         HFDecoderConfig.from_hf(_cfg(family, **extra))
 
 
-def test_gpt_oss_is_named_as_not_yet_supported():
-    with pytest.raises(ValueError, match="gpt_oss.*attention sinks"):
-        HFDecoderConfig.from_hf({"model_type": "gpt_oss"})
-
-
 def test_partial_rope_only_where_the_family_has_it():
     hf = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
           "num_hidden_layers": 1, "num_attention_heads": 2, "partial_rotary_factor": 0.5}

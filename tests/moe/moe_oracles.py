@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from moebit.moe import Routing
 from moebit.moe.experts import Experts
+from moebit.moe.glu import ClampedSwiGLU
 
 
 def expert_fn(ex: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -19,10 +20,17 @@ def expert_fn(ex: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
         h = x @ ex.w1[e] + (ex.b1[e] if ex.has_bias else 0)
         return F.gelu(h) @ ex.w2[e] + (ex.b2[e] if ex.has_bias else 0)
     f = ex.d_ffn
-    gate = F.linear(x, ex.gate_up_proj[e, :f])
-    up = F.linear(x, ex.gate_up_proj[e, f:])
+    b_up, b_down = ex.gate_up_proj_bias, ex.down_proj_bias
+    gate = F.linear(x, ex.gate_up_proj[e, :f], None if b_up is None else b_up[e, :f])
+    up = F.linear(x, ex.gate_up_proj[e, f:], None if b_up is None else b_up[e, f:])
+    if isinstance(ex.act, ClampedSwiGLU):  # transformers' GptOssExperts._apply_gate, spelled out
+        a = ex.act
+        gate = gate.clamp(min=None, max=a.limit)
+        up = up.clamp(min=-a.limit, max=a.limit) if a.limit is not None else up
+        return F.linear((up + a.up_shift) * (gate * torch.sigmoid(gate * a.alpha)),
+                        ex.down_proj[e], None if b_down is None else b_down[e])
     act = F.silu(gate) if ex.expert_type == "swiglu" else F.gelu(gate)
-    return F.linear(act * up, ex.down_proj[e])
+    return F.linear(act * up, ex.down_proj[e], None if b_down is None else b_down[e])
 
 
 def expert_oracle(x_SD: torch.Tensor, routing: Routing, ex: Experts) -> torch.Tensor:

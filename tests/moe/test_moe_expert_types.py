@@ -10,6 +10,7 @@ from moe_oracles import expert_fn, expert_oracle  # tests/moe/moe_oracles.py
 
 from moebit.moe import MoE, MoEConfig
 from moebit.moe.experts import Experts
+from moebit.moe.glu import ClampedSwiGLU
 
 TYPES = [("gelu_mlp", True), ("gelu_mlp", False), ("swiglu", False), ("geglu", False)]
 KERNELS = ["loop", "padded", "grouped", "threaded"]
@@ -129,8 +130,8 @@ def test_auto_kernel_candidates_and_grouped_errors() -> None:
     ex.kernel = "fast"
     with pytest.raises(ValueError, match="Experts.kernel"):
         ex.choose_kernel([1, 1, 1, 1])
-    with pytest.raises(ValueError, match="expert_bias"):
-        Experts(4, 8, 16, expert_type="geglu", bias=True)
+    with pytest.raises(ValueError, match="clamped SwiGLU"):
+        Experts(4, 8, 16, expert_type="geglu", act=ClampedSwiGLU(1.702, 7.0, 1.0))
     with pytest.raises(ValueError, match="expert_type"):
         Experts(4, 8, 16, expert_type="relu")
 

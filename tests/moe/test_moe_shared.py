@@ -84,7 +84,12 @@ def test_infer_is_the_dropless_forward_without_losses(residual: bool) -> None:
     ("kwargs", "key"),
     [
         ({"expert_type": "relu_mlp"}, "expert_type"),
-        ({"expert_type": "swiglu", "expert_bias": True}, "expert_bias"),
+        ({"expert_type": "swiglu", "expert_bias": True, "num_shared_experts": 1}, "expert_bias"),
+        ({"expert_type": "geglu", "swiglu_limit": 7.0}, "swiglu_limit"),
+        ({"expert_type": "swiglu", "swiglu_alpha": 0}, "swiglu_alpha"),
+        ({"expert_type": "swiglu", "swiglu_limit": -1.0}, "swiglu_limit"),
+        ({"expert_type": "swiglu", "swiglu_up_shift": 1.0, "num_shared_experts": 1}, "swiglu"),
+        ({"router_bias": "yes"}, "router_bias"),
         ({"expert_bias": "yes"}, "expert_bias"),
         ({"num_shared_experts": -1}, "num_shared_experts"),
         ({"shared_expert_gate": True}, "shared_expert_gate"),

@@ -18,6 +18,7 @@ same weights. Then, interleaved rep by rep so that a busy host slows both alike:
   peak resident memory added by the load.
 
     moebit bench hf --experts 16 --reps 3
+    moebit bench hf --family gpt_oss --experts 16 --layers 4   # gpt-oss's own shape
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from moebit.bench.hf_families import FAMILIES, family_config, spread_parameters
 from moebit.bench.hf_train import bf16_rows, train_rows
 from moebit.inference.generate import generate_tokens
 from moebit.inference.quantize import quantize_experts_
@@ -44,18 +46,12 @@ def _hf_model(args: argparse.Namespace, folder: Path) -> Any:
     import transformers  # optional peer: only this benchmark needs it
 
     torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", vocab_size=256, hidden_size=args.d_model, intermediate_size=args.d_ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, num_local_experts=args.experts, num_experts_per_tok=2,
-        max_position_embeddings=2048)
+    model_type, kwargs, attn = family_config(args)
+    cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
     cfg._experts_implementation = "grouped_mm"
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("gate.weight"):
-                p.normal_(0, 0.02)  # routers start at zero: give them a realistic spread
+    spread_parameters(model)
     model.save_pretrained(folder, max_shard_size="100MB")
     return model
 
@@ -154,6 +150,8 @@ def _loading(folder: Path) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="moebit bench hf", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=FAMILIES, default="mixtral",
+                    help="the model's family and shape (moebit.bench.hf_families)")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--d-ffn", type=int, default=1360)

@@ -194,6 +194,7 @@ class QuantExperts(nn.Module):
         self.num_experts, self.first_expert = experts.num_experts, experts.first_expert
         self.num_local, self.d_model, self.d_ffn = experts.num_local, experts.d_model, experts.d_ffn
         self.expert_type, self.kernel, self.bits, self.group = experts.expert_type, kernel, bits, group
+        self.act = experts.act  # the type, or gpt-oss's clamped SwiGLU
         w_up, b_up, w_down, b_down = experts.projections()
         if not is_gated(self.expert_type):  # stored [E, in, out]: quantize_weight takes [E, out, in]
             w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2)
@@ -241,7 +242,7 @@ class QuantExperts(nn.Module):
             xb = x_bf16[r] if x_bf16 is not None else None
             hpre = quant_linear(x_ND[r], self.weight("up", e), None if bu is None else bu[e],
                                 self.kernel, None if su is None else su[e], xb)
-            h = act_new(self.expert_type, hpre)[0]
+            h = act_new(self.act, hpre)[0]
             out_ND[r] = quant_linear(h, self.weight("down", e), None if bd is None else bd[e],
                                      self.kernel, None if sd is None else sd[e])
         return out_ND

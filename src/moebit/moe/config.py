@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebit.comm.all_to_all import check_wire_dtype
+from moebit.moe.glu import ClampedSwiGLU
 
 DROP_POLICIES = ("position", "random")
 NOISE_POLICIES = ("none", "jitter", "rsample")
@@ -82,7 +83,13 @@ class MoEConfig:
     expert_type: "gelu_mlp" (Linear, GELU, Linear), "swiglu" or "geglu" (the gated
         ``down(act(x W_gate) * (x W_up))`` with SiLU or GELU). Also the shared experts' type.
     expert_bias: biases on the expert projections; None means the type's default (True for
-        "gelu_mlp", False for gated types, which have none: True with them is an error).
+        "gelu_mlp", False for gated types; True with a gated type is gpt-oss's biased
+        ``gate_up_proj`` / ``down_proj``, routed experts only: shared experts have none).
+    swiglu_alpha / swiglu_limit / swiglu_up_shift: gpt-oss's clamped SwiGLU (expert_type
+        "swiglu" only): ``(clamp(up, -limit, limit) + up_shift) * g * sigmoid(alpha * g)``
+        with ``g = min(gate, limit)`` (gpt-oss: 1.702, 7.0, 1.0). The defaults (1, None, 0)
+        are the plain SwiGLU.
+    router_bias: a bias on the router's Linear (gpt-oss), in its logits (float32).
     num_shared_experts: dense experts every token passes through, summed with the routed
         output (DeepSeek ``n_shared_experts``; run as one MLP of the summed width).
     shared_expert_intermediate_size: width of that MLP; 0 means ``d_ffn * num_shared_experts``
@@ -136,6 +143,10 @@ class MoEConfig:
     # expert blocks: keep these together (routing keys live in their own block)
     expert_type: str = "gelu_mlp"
     expert_bias: bool | None = None
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None
+    swiglu_up_shift: float = 0.0
+    router_bias: bool = False
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
@@ -210,12 +221,13 @@ class MoEConfig:
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}")
         if self.expert_bias not in (None, True, False):
             raise ValueError(f"expert_bias must be a bool or None, got {self.expert_bias!r}")
-        if self.expert_bias and self.gated:
-            raise ValueError(
-                f"expert_bias = True with expert_type = {self.expert_type!r}: gated experts "
-                "have no biases (set expert_bias to False or None)"
-            )
         n = self.num_shared_experts
+        if self.expert_bias and self.gated and (n or self.residual):
+            raise ValueError(
+                f"expert_bias = True with expert_type = {self.expert_type!r} and shared experts "
+                "(or residual): gated shared experts have no biases"
+            )
+        self._validate_glu()
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"num_shared_experts must be an int >= 0, got {n!r}")
         w = self.shared_expert_intermediate_size
@@ -238,6 +250,30 @@ class MoEConfig:
             )
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    def _validate_glu(self) -> None:
+        a, lim, sh = self.swiglu_alpha, self.swiglu_limit, self.swiglu_up_shift
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
+            raise ValueError(f"swiglu_alpha must be a number > 0, got {a!r}")
+        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float))
+                                or not lim > 0):
+            raise ValueError(f"swiglu_limit must be a number > 0 or None, got {lim!r}")
+        if isinstance(sh, bool) or not isinstance(sh, (int, float)):
+            raise ValueError(f"swiglu_up_shift must be a number, got {sh!r}")
+        if self.expert_act is not None and self.expert_type != "swiglu":
+            raise ValueError(f"swiglu_alpha / swiglu_limit / swiglu_up_shift need expert_type "
+                             f"'swiglu', got {self.expert_type!r}")
+        if self.expert_act is not None and (self.num_shared_experts or self.residual):
+            raise ValueError("the clamped SwiGLU (swiglu_alpha / swiglu_limit / swiglu_up_shift) "
+                             "is for routed experts only: not with shared experts or residual")
+        if self.router_bias not in (True, False):
+            raise ValueError(f"router_bias must be a bool, got {self.router_bias!r}")
+
+    @property
+    def expert_act(self) -> ClampedSwiGLU | None:
+        """The routed experts' clamped SwiGLU, or None for the type's own activation."""
+        act = ClampedSwiGLU(float(self.swiglu_alpha), self.swiglu_limit, float(self.swiglu_up_shift))
+        return None if act == ClampedSwiGLU() else act
 
     @property
     def gated(self) -> bool:

@@ -7,7 +7,9 @@ Names and shapes (E = local experts, d = d_model, f = d_ffn; suffixes give the l
 - ``gelu_mlp``: ``w1`` [E, d, f], ``b1`` [E, f], ``w2`` [E, f, d], ``b2`` [E, d]
   (``y = gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``; without biases b1 / b2 are None).
 - ``swiglu`` / ``geglu``: ``gate_up_proj`` [E, 2f, d] (rows [0, f) the gate, [f, 2f) the up
-  projection) and ``down_proj`` [E, d, f]: ``y = (act(x Wg^T) * (x Wu^T)) Wd^T``, no biases.
+  projection) and ``down_proj`` [E, d, f]: ``y = (act(x Wg^T) * (x Wu^T)) Wd^T``; with
+  biases (gpt-oss) ``gate_up_proj_bias`` [E, 2f] and ``down_proj_bias`` [E, d]. ``act``
+  may replace SiLU by gpt-oss's clamped SwiGLU (``moebit.moe.glu.ClampedSwiGLU``).
   This is Hugging Face transformers 5.x's fused layout (``MixtralExperts``,
   ``Qwen3MoeExperts``...): its tensors load as they are, a per-expert checkpoint
   (``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``) by stacking
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 from moebit.moe import autotune
+from moebit.moe.glu import ClampedSwiGLU
 from moebit.moe.grouped import _GroupedExperts, grouped_mm_supported
 from moebit.moe.kernels import EXPERT_TYPES, _LoopExperts, _PaddedExperts
 from moebit.moe.threaded import _ThreadedExperts
@@ -115,6 +118,7 @@ class Experts(nn.Module):
         expert_type: str = "gelu_mlp",
         bias: bool | None = None,
         kernel: str = "auto",
+        act: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         num_local = num_experts - first_expert if num_local is None else num_local
@@ -127,14 +131,17 @@ class Experts(nn.Module):
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {expert_type!r}")
         gated = expert_type != "gelu_mlp"
         bias = (not gated) if bias is None else bias
-        if bias and gated:
-            raise ValueError(f"expert_bias: {expert_type!r} experts have no biases")
+        if act is not None and expert_type != "swiglu":
+            raise ValueError(f"a clamped SwiGLU activation needs expert_type 'swiglu', "
+                             f"got {expert_type!r}")
         self.num_experts = num_experts
         self.first_expert = first_expert
         self.num_local = num_local
         self.d_model = d_model
         self.d_ffn = d_ffn
         self.expert_type = expert_type
+        # what the kernels run: the type, or the clamped SwiGLU (plain SwiGLU's constants: the type)
+        self.act: str | ClampedSwiGLU = expert_type if act in (None, ClampedSwiGLU()) else act
         self.has_bias = bias
         self.grad_scale = 1.0
         self.kernel = kernel
@@ -145,6 +152,10 @@ class Experts(nn.Module):
         if gated:
             self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * d_ffn, d_model, **kw))
             self.down_proj = nn.Parameter(torch.empty(num_local, d_model, d_ffn, **kw))
+            self.register_parameter("gate_up_proj_bias", nn.Parameter(
+                torch.empty(num_local, 2 * d_ffn, **kw)) if bias else None)
+            self.register_parameter("down_proj_bias", nn.Parameter(
+                torch.empty(num_local, d_model, **kw)) if bias else None)
         else:
             self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_ffn, **kw))
             self.w2 = nn.Parameter(torch.empty(num_local, d_ffn, d_model, **kw))
@@ -160,14 +171,16 @@ class Experts(nn.Module):
         """(up weight, up bias, down weight, down bias) in their storage layouts."""
         if self.expert_type == "gelu_mlp":
             return self.w1, self.b1, self.w2, self.b2
-        return self.gate_up_proj, None, self.down_proj, None
+        return self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias
 
     def _init_plan(self) -> list[tuple[torch.Tensor, int]]:
         if self.expert_type == "gelu_mlp":
             plan = [(self.w1, self.d_model), (self.b1, self.d_model),
                     (self.w2, self.d_ffn), (self.b2, self.d_ffn)]
             return [(p, fan_in) for p, fan_in in plan if p is not None]
-        return [(self.gate_up_proj, self.d_model), (self.down_proj, self.d_ffn)]
+        plan = [(self.gate_up_proj, self.d_model), (self.gate_up_proj_bias, self.d_model),
+                (self.down_proj, self.d_ffn), (self.down_proj_bias, self.d_ffn)]
+        return [(p, fan_in) for p, fan_in in plan if p is not None]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -199,7 +212,7 @@ class Experts(nn.Module):
         args = (x_ND, w_up, b_up, w_down, b_down)
         fn = _KERNEL_FNS[self._pick(counts, args)]
         with torch.autocast(dev, enabled=False):
-            return fn.apply(*args, list(counts), self.grad_scale, self.expert_type)
+            return fn.apply(*args, list(counts), self.grad_scale, self.act)
 
     def candidates(self, counts: list[int], device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.float32, threads: int | None = None) -> list[str]:
@@ -220,7 +233,7 @@ class Experts(nn.Module):
         rows = sum(counts)
         busy = max(1, sum(1 for c in counts if c))
         b = autotune.rows_bucket
-        return (f"experts|{self.expert_type}|bias={self.has_bias}|E={len(counts)}|"
+        return (f"experts|{self.act}|bias={self.has_bias}|E={len(counts)}|"
                 f"d={self.d_model}|f={self.d_ffn}|{str(dtype).removeprefix('torch.')}|"
                 f"threads={threads}|{'train' if train else 'infer'}|rows={b(rows)}|"
                 f"per_expert={b(-(-rows // busy))}|busy={b(busy)}")
@@ -273,7 +286,7 @@ class Experts(nn.Module):
         if hit is not None and hit.choice in cands:
             self.tuned[key] = hit
             return hit.choice
-        runs = {k: _timed_call(_KERNEL_FNS[k], args, counts, self.expert_type, train)
+        runs = {k: _timed_call(_KERNEL_FNS[k], args, counts, self.act, train)
                 for k in cands}
         self.last_tuned = self.tuned[key] = autotune.choose(key, runs, default="loop")
         return self.last_tuned.choice
@@ -283,6 +296,6 @@ class Experts(nn.Module):
         return self.choose_kernel(counts, threads=1) == "padded"
 
     def extra_repr(self) -> str:
-        return (f"{self.expert_type} experts {self.first_expert}.."
+        return (f"{self.act} experts {self.first_expert}.."
                 f"{self.first_expert + self.num_local - 1} of {self.num_experts}, "
                 f"d_model={self.d_model}, d_ffn={self.d_ffn}, bias={self.has_bias}")

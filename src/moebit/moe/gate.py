@@ -1,10 +1,11 @@
 """Top-k router: which experts each token goes to, with what weight, and which survive capacity.
 
-The router is a bias-free Linear(d_model, E) computed in float32 with autocast off: its
-softmax decides discrete routes, and bf16 logits flip near-ties between experts from step
-to step. Everything is returned in a `Routing` dataclass (never a tuple, never a global
-list of losses), and the capacity / dropping logic is two pure functions,
-`compute_capacity` and `select_kept`, so tests can drive them with hand-built routings.
+The router is a Linear(d_model, E) (bias-free unless ``router_bias``: gpt-oss) computed in
+float32 with autocast off: its softmax decides discrete routes, and bf16 logits flip
+near-ties between experts from step to step. Everything is returned in a `Routing`
+dataclass (never a tuple, never a global list of losses), and the capacity / dropping
+logic is two pure functions, `compute_capacity` and `select_kept`, so tests can drive them
+with hand-built routings.
 
 Dropping never builds an [S, E] or [S, E, C] mask: the S*k (token, choice) pairs are
 sorted by (expert, priority) and a pair survives when its rank inside its expert's block
@@ -170,7 +171,7 @@ def seq_load_balancing_loss(
 
 
 class TopKGate(nn.Module):
-    """Router Linear(d_model, E, bias=False) + scoring + (group-limited) top-k + capacity.
+    """Router Linear(d_model, E; a bias with ``router_bias``) + scoring + (group-limited) top-k + capacity.
 
     With ``bias_update_speed > 0`` the gate holds ``e_score_correction_bias`` [E] (a
     buffer: no gradient, saved in checkpoints), added to the scores for selection only,
@@ -185,7 +186,7 @@ class TopKGate(nn.Module):
         self.config = config
         self.num_experts = config.num_experts
         self.k = config.num_experts_per_tok
-        self.router = nn.Linear(d_model, config.num_experts, bias=False)
+        self.router = nn.Linear(d_model, config.num_experts, bias=config.router_bias)
         on = config.bias_update_speed > 0
         e = config.num_experts
         held = on or config.score_correction_bias  # a checkpoint's fixed bias, or a moving one
@@ -267,7 +268,8 @@ class TopKGate(nn.Module):
             x32_SD = x_SD.float()
             if self.training and c.noise == "jitter":
                 x32_SD = x32_SD * torch.empty_like(x32_SD).uniform_(0.99, 1.01)
-            logits_SE = F.linear(x32_SD, self.router.weight.float())
+            b = self.router.bias
+            logits_SE = F.linear(x32_SD, self.router.weight.float(), None if b is None else b.float())
             scores_SE, probs_SE = self._score(logits_SE)
             expert_SK = self._select(logits_SE, scores_SE)
             weight_SK = scores_SE.gather(1, expert_SK)

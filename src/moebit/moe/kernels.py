@@ -5,7 +5,8 @@ An expert is an up projection, an activation and a down projection:
 - ``gelu_mlp``: ``gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``; weights stored [E, in, out]
   (``w1`` [E, d, f], ``w2`` [E, f, d]); the biases are optional.
 - ``swiglu`` / ``geglu``: ``(act(x @ Wg[e]^T) * (x @ Wu[e]^T)) @ Wd[e]^T`` with act SiLU or
-  GELU, no biases; weights stored [E, out, in] as Hugging Face 5.x does (``gate_up_proj``
+  GELU (or gpt-oss's clamped SwiGLU, ``moebit.moe.glu``), optional biases on both
+  projections (gpt-oss); weights stored [E, out, in] as Hugging Face 5.x does (``gate_up_proj``
   [E, 2f, d], gate rows first, and ``down_proj`` [E, d, f]).
 
 Both layouts run through the same code: ``_up`` / ``_down`` give [E, in, out] views (a
@@ -37,7 +38,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moebit.moe.glu import ClampedSwiGLU, glu_backward_into, glu_into
+
 EXPERT_TYPES = ("gelu_mlp", "swiglu", "geglu")
+# ``kind`` below: an expert type, or the ClampedSwiGLU activation (a gated type)
 
 
 def is_gated(kind: str) -> bool:
@@ -67,6 +71,9 @@ def act_into(kind: str, hpre: torch.Tensor, h: torch.Tensor, s: torch.Tensor | N
         return
     i = h.shape[-1]
     a, u = hpre[..., :i], hpre[..., i:]
+    if isinstance(kind, ClampedSwiGLU):
+        glu_into(kind, a, u, h, s)
+        return
     if kind == "swiglu":
         torch.ops.aten.silu.out(a, out=s)
     else:
@@ -95,6 +102,9 @@ def act_backward(
     i = gh.shape[-1]
     a, u = hpre[..., :i], hpre[..., i:]
     g = torch.empty_like(hpre)
+    if isinstance(kind, ClampedSwiGLU):
+        glu_backward_into(kind, gh, a, u, s, g[..., :i], g[..., i:])
+        return g
     torch.mul(gh, s, out=g[..., i:])
     gs = gh * u
     if kind == "swiglu":

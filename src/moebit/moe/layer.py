@@ -76,6 +76,7 @@ class MoE(nn.Module):
             config.num_experts, d_model, config.ffn_size(d_model),
             first_expert=ep_rank * n_local, num_local=n_local,
             expert_type=config.expert_type, bias=config.has_expert_bias, kernel=config.kernel,
+            act=config.expert_act,
         )
         self.experts.grad_scale = 1.0 / ep
         self.shared_expert: nn.Module | None = None

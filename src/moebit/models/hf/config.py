@@ -21,16 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebit.models.hf import gpt_oss
 from moebit.models.rope import ROPE_TYPES, RopeSpec, parse_rope
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "minimax_m2")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "minimax_m2",
+            "gpt_oss")
 # dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
 # the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
 # families whose norms follow each sublayer (OLMo2's reordered norms), not precede it
 _POST_NORM = ("olmo2", "flex_olmo")
 # transformers' rope_theta when a config.json gives none (its `default_theta`)
-_DEFAULT_THETA = {"mixtral": 1e6, "flex_olmo": 5e5, "minimax_m2": 5e6}
+_DEFAULT_THETA = {"mixtral": 1e6, "flex_olmo": 5e5, "minimax_m2": 5e6, "gpt_oss": gpt_oss.DEFAULT_THETA}
 # families whose attention rotates part of each head (and transformers' default share)
 _PARTIAL_ROTARY = {"glm4_moe": 0.5, "minimax_m2": 1.0}
 # families routing with sigmoid scores and a checkpoint's e_score_correction_bias
@@ -44,8 +46,6 @@ _UNSUPPORTED = {
     "deepseek_v3": "its multi-head latent attention (MLA) is not implemented in moebit; "
                    "its MoE block is (moebit.moe routing options)",
     "deepseek_v2": "its multi-head latent attention (MLA) is not implemented in moebit",
-    "gpt_oss": "its attention sinks, alternating sliding-window layers, router and expert "
-               "biases and clamped SwiGLU experts are not implemented in moebit",
 }
 
 
@@ -87,6 +87,16 @@ class HFDecoderConfig:
     post_norm: bool = False  # OLMo2/FlexOlmo: x + norm(attn(x)), x + norm(mlp(x)); no input norm
     attention_dropout: float = 0.0
     router_aux_loss_coef: float = 0.01
+    # gpt-oss (models/hf/gpt_oss.py): per-layer attention kinds, sinks, more biases, its SwiGLU
+    layer_types: list[str] = field(default_factory=list)  # empty: every layer full attention
+    sliding_window: int | None = None  # the window of the "sliding_attention" layers
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator
+    o_proj_bias: bool = False
+    expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias
+    router_bias: bool = False
+    swiglu_alpha: float = 1.0  # the experts' clamped SwiGLU (moebit.moe.glu); 1/None/0: plain
+    swiglu_limit: float | None = None
+    swiglu_up_shift: float = 0.0
     ep_size: int = 1
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -145,6 +155,7 @@ class HFDecoderConfig:
     def to_hf(self, dtype: str | None = None) -> dict[str, Any]:
         """The config.json transformers loads: the source keys, ``dtype`` updated."""
         out = dict(self.hf)
+        out.pop("quantization_config", None)  # moebit writes its weights unquantized
         if dtype is not None:
             out["dtype"] = dtype
         return out
@@ -161,6 +172,9 @@ class HFDecoderConfig:
         _check_options(hf, mt)
         if mt == "glm4_moe":  # transformers' defaults, written back so every reader agrees
             hf = {**_GLM4_MOE_DEFAULTS, **hf}
+        if mt == gpt_oss.MODEL_TYPE:
+            hf = gpt_oss.with_defaults(hf)
+            gpt_oss.check(hf)
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
@@ -212,6 +226,8 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
                     num_experts_per_tok=0, moe_layers=[])
     if mt in _SIGMOID_ROUTED:
         return _sigmoid_moe_fields(g, n_layers)
+    if mt == gpt_oss.MODEL_TYPE:
+        return gpt_oss.fields(g.hf)
     e = g.first("num_experts", "num_local_experts")
     return dict(
         moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe", "flex_olmo")
@@ -294,7 +310,7 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
         raise ValueError(f"{mt}: sliding_window attention is not supported "
                          f"(sliding_window = {hf.get('sliding_window')})")
     sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-    if sliding:
+    if sliding and mt != gpt_oss.MODEL_TYPE:  # gpt-oss's own check names its layer types
         raise ValueError(f"{mt}: layer_types {sorted(set(sliding))} are not supported "
                          "(full_attention only)")
     if hf.get("router_jitter_noise"):

@@ -1,5 +1,5 @@
 """The Hugging Face MoE decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 MoE,
-MiniMax-M2) on moebit's parts.
+MiniMax-M2, gpt-oss) on moebit's parts; gpt-oss's sinks and sliding windows: ``sinks.py``.
 
 Pre-norm blocks: RMSNorm, grouped-query attention with rotary embeddings (and the
 families' q/k norms), RMSNorm, then a SwiGLU MLP or a ``moebit.moe.MoE`` block (dropless,
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebit.models.hf.config import HFDecoderConfig
+from moebit.models.hf.sinks import windowed_attention
 from moebit.models.interface import ModelOutput
 from moebit.models.kv_cache import KVCache
 from moebit.models.rope import RotaryEmbedding
@@ -73,7 +74,11 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, h * dh, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, kv * dh, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, kv * dh, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(h * dh, d, bias=False)
+        self.o_proj = nn.Linear(h * dh, d, bias=cfg.o_proj_bias)
+        # gpt-oss: a sink logit per head, and a window on its "sliding_attention" layers
+        self.sinks = nn.Parameter(torch.empty(h)) if cfg.attention_sinks else None
+        sliding = bool(cfg.layer_types) and cfg.layer_types[layer] == "sliding_attention"
+        self.window = cfg.sliding_window if sliding else None
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if cfg.qk_norm != "none":
@@ -102,7 +107,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x_BTD)
         q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         gqa = self.cfg.num_kv_heads != self.cfg.num_heads
-        if cache is None:
+        if self.sinks is not None or self.window is not None:
+            drop = self.cfg.attention_dropout if self.training and cache is None else 0.0
+            y = windowed_attention(q, k, v, self.sinks, self.window, cache, self.layer, drop)
+        elif cache is None:
             drop = self.cfg.attention_dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop,
                                                enable_gqa=gqa)
@@ -140,6 +148,8 @@ def moe_config_for(cfg: HFDecoderConfig) -> MoEConfig:
         drop_tokens=False, norm_topk_prob=cfg.norm_topk_prob,
         softmax_before_topk=sigmoid or not cfg.norm_topk_prob, router_aux_loss_coef=0.0,
         ep_size=cfg.ep_size, d_ffn=cfg.moe_intermediate_size, expert_type="swiglu",
+        expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, swiglu_alpha=cfg.swiglu_alpha,
+        swiglu_limit=cfg.swiglu_limit, swiglu_up_shift=cfg.swiglu_up_shift,
         num_shared_experts=1 if cfg.shared_expert_intermediate_size else 0,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
         shared_expert_gate=cfg.shared_expert_gated,
@@ -178,9 +188,10 @@ class DecoderLayer(nn.Module):
             zero = h.new_zeros((), dtype=torch.float32)
             return x + self._ffn_out(self.mlp(h)), HFFeedForwardOutput(h, zero, None)
         out = self.mlp(h)
+        router = self.mlp.gate.router
         with torch.autocast(h.device.type, enabled=False):
-            logits_SE = F.linear(h.reshape(-1, h.shape[-1]).float(),
-                                 self.mlp.gate.router.weight.float())
+            logits_SE = F.linear(h.reshape(-1, h.shape[-1]).float(), router.weight.float(),
+                                 None if router.bias is None else router.bias.float())
         return (x + self._ffn_out(out.hidden),
                 HFFeedForwardOutput(out.hidden, out.aux_loss, logits_SE, out.stats))
 
@@ -234,6 +245,8 @@ class HFDecoder(nn.Module):
                 nn.init.normal_(p, std=std)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
+            elif name.endswith(".sinks"):
+                nn.init.normal_(p, std=std)
 
     def _cos_sin(self, pos_BT: torch.Tensor,
                  seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,8 +33,9 @@ from moebit.models.upcycling import UpcycleSpec
 from moebit.moe import MoEConfig, expert_parallel_groups
 
 # HFDecoderConfig fields a student may differ in from its teacher (depth and its pattern,
-# the source dict, and the run's own sequence length and expert parallelism)
-_FREE_FIELDS = ("num_layers", "moe_layers", "hf", "ep_size", "block_size")
+# gpt-oss's per-layer attention kinds, which follow the kept layers, the source dict, and
+# the run's own sequence length and expert parallelism)
+_FREE_FIELDS = ("num_layers", "moe_layers", "hf", "ep_size", "block_size", "layer_types")
 
 
 def rule_is_moe(cfg: HFDecoderConfig, n_layers: int) -> list[bool]:

@@ -32,6 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moebit.models.hf import gpt_oss_weights
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # per-expert names: (gate, up, down) of the 4.x layout
@@ -132,6 +134,8 @@ def hf_name(name: str, model_type: str = "") -> str:
     if not name.startswith("blocks."):
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
     layer, sub = name[len("blocks."):].split(".", 1)
+    if model_type == "gpt_oss":  # GptOssTopKRouter: mlp.router.weight / .bias
+        sub = sub.replace("mlp.gate.router.", "mlp.router.")
     sub = sub.replace("mlp.gate.router.", "mlp.gate.")
     if model_type == "glm4_moe":
         sub = sub.replace("mlp.shared_expert.", "mlp.shared_experts.")
@@ -219,8 +223,29 @@ def _targets(model: Any, src: SafetensorsFolder) -> Iterator[Target]:
             raise _missing(src, hf_name(name, mt))
         yield hn, None, p
     yield from _bias_targets(model, src)
+    if mt == "gpt_oss":  # fused, transposed, maybe MXFP4: _gpt_oss_reads
+        return
     for layer in model.config.moe_layers:
         yield from _expert_targets(model, src, layer)
+
+
+def _gpt_oss_reads(model: Any, src: SafetensorsFolder) -> Iterator[gpt_oss_weights.Read]:
+    """gpt-oss's expert tensors (``gpt_oss_weights``), each checked to be in the folder."""
+    if model.config.model_type != "gpt_oss":
+        return
+    for layer in model.config.moe_layers:
+        for r in gpt_oss_weights.expert_reads(model, layer, src.__contains__):
+            for name in r.names:
+                if name not in src:
+                    raise _missing(src, name)
+            yield r
+
+
+def _check_read_shape(src: SafetensorsFolder, name: str, got: tuple[int, ...],
+                      want: tuple[int, ...], rows: slice) -> None:
+    if got != want:
+        raise HFFolderError(f"{src.folder / src.where[name]}: tensor {_label(name, rows)} has "
+                            f"shape {got}, config.json implies {want}")
 
 
 def _label(name: str, rows: slice | None) -> str:
@@ -243,6 +268,11 @@ def load_hf_weights(model: Any, folder: str | Path) -> LoadReport:
         _check_shape(src, name, tuple(t.shape), dst, rows)
         with torch.no_grad():
             dst.copy_(t)
+    for r in _gpt_oss_reads(model, src):
+        ts = [src.read(name, r.rows) for name in r.names]
+        for name, t, want in zip(r.names, ts, r.shapes, strict=True):
+            _check_read_shape(src, name, tuple(t.shape), want, r.rows)
+        r.assign(ts)
     return src.report
 
 
@@ -255,6 +285,9 @@ def check_hf_weights(model: Any, folder: str | Path) -> None:
         src._open(file)
     for name, rows, dst in _targets(model, src):
         _check_shape(src, name, src.shape(name, rows), dst, rows)
+    for r in _gpt_oss_reads(model, src):
+        for name, want in zip(r.names, r.shapes, strict=True):
+            _check_read_shape(src, name, src.shape(name, r.rows), want, r.rows)
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -303,6 +336,9 @@ def write_shards(model: Any, folder: Path, ep_rank: int, write_dense: bool) -> N
     """This rank's part of a sharded checkpoint: its expert shard (when it holds experts
     no lower data-parallel rank also holds) and, on rank 0, the dense shard and the index."""
     cfg = model.config
+    if cfg.model_type == "gpt_oss":
+        _write_gpt_oss(model, folder, write_dense)
+        return
     ep = cfg.ep_size if cfg.is_moe else 1
     n = 1 + (ep if cfg.is_moe else 0)
     meta = {"format": "pt"}
@@ -331,3 +367,20 @@ def _expert_names(model: Any, ep_rank: int) -> list[str]:
     return [f"model.layers.{layer}.{mod}.experts.{e}.{n}.weight"
             for layer in cfg.moe_layers for e in range(ep_rank * per, (ep_rank + 1) * per)
             for n in (g_n, u_n, d_n)]
+
+
+def _write_gpt_oss(model: Any, folder: Path, write_dense: bool) -> None:
+    """gpt-oss: each expert tensor is whole in its file (transformers' fused layout), so the
+    expert-parallel ranks gather their experts (every caller takes part) and rank 0 writes a
+    dense shard and an expert shard (dequantized: an MXFP4 source is written unquantized)."""
+    experts = gpt_oss_weights.fused_expert_tensors(model)
+    if not write_dense:
+        return
+    dense = dense_tensors(model)
+    meta = {"format": "pt"}
+    save_file(dense, str(folder / _shard_name(1, 2)), metadata=meta)
+    save_file(experts, str(folder / _shard_name(2, 2)), metadata=meta)
+    weight_map = {**dict.fromkeys(dense, _shard_name(1, 2)), **dict.fromkeys(experts, _shard_name(2, 2))}
+    total = sum(t.numel() * t.element_size() for t in (*dense.values(), *experts.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
