@@ -248,6 +248,12 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
             jobs.append((label, _train_argv(flags, inner, args.nproc, args.steps, run_dir,
                                             args.freeze_step, args.seed), run_dir))
     for peer in args.peers.split(",") if args.peers else []:
+        if peer == "torchft_diloco":  # torchft's DiLoCo with this run's --outer-* flags
+            run_dir = out / "torchft-diloco"
+            jobs.append(("torchft diloco", _peer_argv(row_flags(extra, "diloco")[1], peer, 0,
+                                                      args.nproc, args.steps, run_dir, args.seed,
+                                                      None), run_dir))
+            continue
         ranks = args.powersgd_rank.split(",") if peer == "powersgd" else ["0"]
         for r in ranks:
             label = f"ddp powersgd r={r}" if peer == "powersgd" else "ddp fp16 hook"
@@ -256,6 +262,21 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
                               run_dir, args.seed, args.freeze_step)
             jobs.append((label, argv, run_dir))
     return jobs
+
+
+def peer_error(run_dir: Path) -> str | None:
+    """The one-line reason a peer left in its run folder when it could not run (the torchft
+    peer: ``moebit.bench.torchft_peer.ERROR_FILE``), or None."""
+    f = run_dir / "peer_error.txt"
+    return f.read_text().strip().splitlines()[0] if f.is_file() else None
+
+
+def failed_row(label: str, run_dir: Path, reason: str, nproc: int) -> dict[str, Any]:
+    """A row for a peer that could not run: its reason instead of figures."""
+    return {"run": str(run_dir), "optimizer": label, "error": reason, "world_size": nproc,
+            "n_params": None, "val_loss": None, "bytes_sent": 0, "frozen_at": None,
+            "tokens_per_s": 0.0, "step_s": 0.0, "comm_s_per_step": None, "comm_share": None,
+            "time_to_target_s": None}
 
 
 def _limit_row(args: argparse.Namespace, extra: list[str], out: Path,
@@ -281,7 +302,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--optimizers", default="adam,onebit_adam")
     ap.add_argument("--a2a-dtypes", default=None,
                     help="token all-to-all wire formats, one row each (e.g. fp32,bf16,int8)")
-    ap.add_argument("--peers", default=None, help="torch DDP peers: powersgd,fp16")
+    ap.add_argument("--peers", default=None,
+                    help="peers: powersgd,fp16 (torch DDP), torchft_diloco (torchft's DiLoCo)")
     ap.add_argument("--powersgd-rank", default="4", help="PowerSGD rank(s), e.g. 1,4")
     ap.add_argument("--target-loss", type=float, default=None,
                     help="report the wall time until validation loss first reaches this")
@@ -312,7 +334,15 @@ def main(argv: list[str]) -> int:
     for label, job, run_dir in _jobs(args, extra, out):
         print(f"== {label}: {args.nproc} ranks, {args.steps} steps"
               + (f", link {args.link}" if args.link else ""), file=sys.stderr, flush=True)
-        _run(job, args.link, args.timeout)
+        try:
+            _run(job, args.link, args.timeout)
+        except RuntimeError:
+            reason = peer_error(run_dir)
+            if reason is None:
+                raise
+            print(f"== {label}: {reason}", file=sys.stderr, flush=True)
+            results.append(failed_row(label, run_dir, reason, args.nproc))
+            continue
         results.append({**measure(run_dir, measure_from, args.target_loss), "optimizer": label})
     if args.limit:
         print(f"== no-communication limit: {args.nproc} independent single-rank runs",
@@ -322,7 +352,8 @@ def main(argv: list[str]) -> int:
     for r in results:
         r["val_loss_vs_first"] = (r["val_loss"] / base["val_loss"]) if r["val_loss"] else None
         r["bytes_fewer_than_first"] = (base["bytes_sent"] / r["bytes_sent"]) if r["bytes_sent"] else None
-        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+        speed = base["tokens_per_s"]
+        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / speed if speed else None
         t0, t = base.get("time_to_target_s"), r.get("time_to_target_s")
         r["time_to_target_vs_first"] = (t0 / t) if t0 and t else None
     print(format_table(results, args.link, args.target_loss))
@@ -345,11 +376,14 @@ def format_table(results: list[dict[str, Any]], link: str | None,
         head = head[:1] + [f"s to val {target:g}", "sooner vs first"] + head[1:]
     rows = []
     for r in results:
+        if r.get("error"):  # a peer that could not run: its reason across the row
+            rows.append([str(r["optimizer"]), "failed: " + r["error"]] + [""] * (len(head) - 2))
+            continue
         row = [
             str(r["optimizer"]) + (f" (froze {r['frozen_at']})" if r.get("frozen_at") else ""),
             _cell(r["val_loss"], ".4f"), _cell(r["val_loss_vs_first"], ".4f"),
             f"{r['bytes_sent'] / 1e6:.1f}", _cell(r["bytes_fewer_than_first"], ".2f"),
-            f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s_vs_first']:.2f}x",
+            f"{r['tokens_per_s']:.0f}", _cell(r["tokens_per_s_vs_first"], ".2f") + "x",
             f"{r['step_s']:.3f}", _cell(r.get("compute_s_per_step"), ".3f"),
             _cell(r.get("grad_comm_s_per_step") if r.get("comm_s_per_step") is not None
                   else None, ".3f"),
