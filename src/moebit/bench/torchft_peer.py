@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -79,18 +80,28 @@ def _counting(manager: Any, replicas: int) -> None:
     manager.allreduce = counted
 
 
+def _own_addr() -> str:
+    """This rank's address for torchft's servers: loopback on one machine; on an emulated
+    node (``moebit.bench.twonode`` sets GLOO_SOCKET_IFNAME) the node's own address, which
+    its namespace's hosts file gives the hostname, so the other node can reach it."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
 def _manager(model: torch.nn.Module, inner: torch.optim.Optimizer, rank: int, world: int) -> Any:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum logs every step at info
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
     lighthouse = None
+    host = _own_addr()
     addr = [None]
     if rank == 0:
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world)
-        addr = [lighthouse.address()]
+        addr = [f"http://{host}:{lighthouse.address().rsplit(':', 1)[1]}"]
     dist.broadcast_object_list(addr, src=0)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
@@ -101,10 +112,10 @@ def _manager(model: torch.nn.Module, inner: torch.optim.Optimizer, rank: int, wo
 
     manager = Manager(pg=ProcessGroupGloo(timeout=TIMEOUT), min_replica_size=world,
                       use_async_quorum=False, load_state_dict=load_state_dict,
-                      state_dict=state_dict, replica_id=f"moebit{rank}", store_addr="127.0.0.1",
+                      state_dict=state_dict, replica_id=f"moebit{rank}", store_addr=host,
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=addr[0],
-                      hostname="127.0.0.1", timeout=TIMEOUT, quorum_timeout=TIMEOUT,
-                      connect_timeout=TIMEOUT)
+                      hostname=host, timeout=TIMEOUT, quorum_timeout=TIMEOUT,
+                      connect_timeout=TIMEOUT, init_sync=False)
     _counting(manager, world)
     return manager, lighthouse, store
 
@@ -125,7 +136,10 @@ def _train(cfg: TrainConfig, run_dir: Path, info: Any) -> None:
     corpus = load_corpus(cfg.data)
     check_block_size(corpus, cfg.model.block_size)
     model = new_model(cfg.model_config()).to(info.device)
-    broadcast_params_(model)  # every replica starts from rank 0's weights
+    # Every replica starts from rank 0's weights, so torchft need not heal at step 0
+    # (init_sync=False): its checkpoint server names itself by socket.gethostname(), which
+    # on an emulated node resolves to the asking node's own address.
+    broadcast_params_(model)
     inner = make_optimizer(cfg, param_groups(model, cfg))
     outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                             nesterov=cfg.outer_nesterov and cfg.outer_momentum > 0)
