@@ -200,3 +200,17 @@ def test_zero_one_adam_restarts_its_local_steps_from_the_outer_point():
 def test_int8_block_setting_is_checked_under_its_key():
     with pytest.raises(ValueError, match="outer_int8_block"):
         _setup(compress="int8", int8_block=0)
+
+
+def test_fragments_balance_elements_not_block_counts():
+    """A sync's peak is its largest fragment: the cut minimizes it (an embedding block next
+    to four equal decoder blocks must not double a fragment), every fragment non-empty."""
+    from moebit.optim.outer_params import balanced_bounds, split_fragments
+
+    assert balanced_bounds([33, 197, 197, 197, 197, 1], 4) == [0, 2, 3, 4, 6]
+    assert balanced_bounds([1] * 5, 5) == [0, 1, 2, 3, 4, 5]
+    assert balanced_bounds([5, 1, 1, 1], 2) == [0, 1, 4]  # block counts would give [0, 2, 4]
+    blocks = [[torch.zeros(n)] for n in (40, 200, 200, 200, 200, 1)]
+    parts = split_fragments(blocks, 4)
+    sizes = [sum(p.numel() for p in f) for f in parts]
+    assert sizes == [240, 200, 200, 201] and max(sizes) <= 1.2 * sum(sizes) / 4

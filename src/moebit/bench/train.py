@@ -19,6 +19,12 @@ the FLOPs per rank match and only the all-to-alls and gradient averages are gone
 apply only to those rows (the other rows drop them), and they run with
 ``--outer-group world`` unless given: on one machine every rank is its own worker.
 
+``--two-nodes --link 100mbit`` runs every row on two emulated nodes, half the ranks on
+each, only the link between them shaped (``moebit.bench.train_nodes``); rows gain the bytes
+that crossed it (``inter_node_bytes``, per token), and outer rows default to
+``--outer-group node`` (a worker per node). ``--peers torchft_diloco`` adds torchft's
+DiLoCo (``moebit.bench.torchft_peer``); a peer that cannot run fails its row with one line.
+
 ``--a2a-dtypes fp32,bf16,int8`` runs each optimizer once per token all-to-all wire format
 (forward and backward). ``--peers powersgd,fp16`` adds torch DDP with torch's PowerSGD
 hook (rank ``--powersgd-rank``, a list gives one row each) and fp16 hook on the same
@@ -41,6 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moebit.bench.train_nodes import link_fields, run_on_two_nodes
 from moebit.runs import metrics
 
 
@@ -73,15 +80,15 @@ def without_outer(extra: list[str]) -> list[str]:
     return out
 
 
-def row_flags(extra: list[str], row: str) -> tuple[str, list[str]]:
+def row_flags(extra: list[str], row: str, group: str = "world") -> tuple[str, list[str]]:
     """The ``--optimizer`` and the flags of one row: an outer row trains adam inside
-    ``--outer ROW`` with the outer flags of ``extra`` (``--outer-group world`` unless
-    given); any other row drops them."""
+    ``--outer ROW`` with the outer flags of ``extra`` (``--outer-group GROUP`` unless
+    given: world on one machine, node with ``--two-nodes``); any other row drops them."""
     if row not in OUTER_ROWS:
         return row, without_outer(extra)
     flags = _without(extra, "--outer")  # the row says which outer optimizer
     if _flag_value(flags, "--outer-group") is None:
-        flags = [*flags, "--outer-group", "world"]
+        flags = [*flags, "--outer-group", group]
     return "adam", [*flags, "--outer", row]
 
 
@@ -144,6 +151,7 @@ def measure(run_dir: Path, measure_from: int, target: float | None = None) -> di
         "outer": cfg.get("outer", "none"),
         "time_to_target_s": time_to_target(recs, target),
         "a2a_dtype": cfg.get("a2a_dtype"),
+        **link_fields(run_dir, cfg["steps"] * tokens_per_step),  # --two-nodes rows
     }
 
 
@@ -240,7 +248,7 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
         for dt in dtypes:
             exact = opt in ("adam", "lamb", *OUTER_ROWS)
             name = opt if exact or args.freeze_step is None else f"{opt}-freeze{args.freeze_step}"
-            inner, flags = row_flags(extra, opt)
+            inner, flags = row_flags(extra, opt, "node" if args.two_nodes else "world")
             if dt is not None:
                 flags = [*flags, "--a2a-dtype", dt, "--a2a-grad-dtype", dt]
             label = opt if dt is None else f"{opt} a2a={dt}"
@@ -248,6 +256,12 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
             jobs.append((label, _train_argv(flags, inner, args.nproc, args.steps, run_dir,
                                             args.freeze_step, args.seed), run_dir))
     for peer in args.peers.split(",") if args.peers else []:
+        if peer == "torchft_diloco":  # torchft's DiLoCo with this run's --outer-* flags
+            run_dir = out / "torchft-diloco"
+            jobs.append(("torchft diloco", _peer_argv(row_flags(extra, "diloco", "world")[1], peer, 0,
+                                                      args.nproc, args.steps, run_dir, args.seed,
+                                                      None), run_dir))
+            continue
         ranks = args.powersgd_rank.split(",") if peer == "powersgd" else ["0"]
         for r in ranks:
             label = f"ddp powersgd r={r}" if peer == "powersgd" else "ddp fp16 hook"
@@ -256,6 +270,21 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
                               run_dir, args.seed, args.freeze_step)
             jobs.append((label, argv, run_dir))
     return jobs
+
+
+def peer_error(run_dir: Path) -> str | None:
+    """The one-line reason a peer left in its run folder when it could not run (the torchft
+    peer: ``moebit.bench.torchft_peer.ERROR_FILE``), or None."""
+    f = run_dir / "peer_error.txt"
+    return f.read_text().strip().splitlines()[0] if f.is_file() else None
+
+
+def failed_row(label: str, run_dir: Path, reason: str, nproc: int) -> dict[str, Any]:
+    """A row for a peer that could not run: its reason instead of figures."""
+    return {"run": str(run_dir), "optimizer": label, "error": reason, "world_size": nproc,
+            "n_params": None, "val_loss": None, "bytes_sent": 0, "frozen_at": None,
+            "tokens_per_s": 0.0, "step_s": 0.0, "comm_s_per_step": None, "comm_share": None,
+            "time_to_target_s": None}
 
 
 def _limit_row(args: argparse.Namespace, extra: list[str], out: Path,
@@ -281,7 +310,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--optimizers", default="adam,onebit_adam")
     ap.add_argument("--a2a-dtypes", default=None,
                     help="token all-to-all wire formats, one row each (e.g. fp32,bf16,int8)")
-    ap.add_argument("--peers", default=None, help="torch DDP peers: powersgd,fp16")
+    ap.add_argument("--peers", default=None,
+                    help="peers: powersgd,fp16 (torch DDP), torchft_diloco (torchft's DiLoCo)")
     ap.add_argument("--powersgd-rank", default="4", help="PowerSGD rank(s), e.g. 1,4")
     ap.add_argument("--target-loss", type=float, default=None,
                     help="report the wall time until validation loss first reaches this")
@@ -293,6 +323,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="throughput counted after this step (default: 60%% of the run)")
     ap.add_argument("--link", default=None, help="shape loopback to this rate, e.g. 1gbit")
     ap.add_argument("--limit", action="store_true", help="also run the no-communication limit")
+    ap.add_argument("--two-nodes", action="store_true",
+                    help="half the ranks on each of two emulated nodes, only the link between "
+                         "them shaped to --link; measures the bytes that cross it")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench-out/train")
     ap.add_argument("--timeout", type=float, default=7200)
@@ -300,6 +333,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = ap.parse_args(argv)
     if args.limit:
         limit_extra(extra)  # a bad EP limit fails before any run starts
+    if args.two_nodes and (not args.link or args.nproc % 2 or args.limit):
+        ap.error("--two-nodes needs --link and an even --nproc (and no --limit)")
     return args, extra
 
 
@@ -312,7 +347,20 @@ def main(argv: list[str]) -> int:
     for label, job, run_dir in _jobs(args, extra, out):
         print(f"== {label}: {args.nproc} ranks, {args.steps} steps"
               + (f", link {args.link}" if args.link else ""), file=sys.stderr, flush=True)
-        _run(job, args.link, args.timeout)
+        try:
+            if args.two_nodes:
+                codes = run_on_two_nodes(job, args.nproc, run_dir, args.link, args.timeout)
+                if max(codes):
+                    raise RuntimeError(f"two-node run failed ({codes}): {' '.join(job)}")
+            else:
+                _run(job, args.link, args.timeout)
+        except RuntimeError:
+            reason = peer_error(run_dir)
+            if reason is None:
+                raise
+            print(f"== {label}: {reason}", file=sys.stderr, flush=True)
+            results.append(failed_row(label, run_dir, reason, args.nproc))
+            continue
         results.append({**measure(run_dir, measure_from, args.target_loss), "optimizer": label})
     if args.limit:
         print(f"== no-communication limit: {args.nproc} independent single-rank runs",
@@ -322,7 +370,8 @@ def main(argv: list[str]) -> int:
     for r in results:
         r["val_loss_vs_first"] = (r["val_loss"] / base["val_loss"]) if r["val_loss"] else None
         r["bytes_fewer_than_first"] = (base["bytes_sent"] / r["bytes_sent"]) if r["bytes_sent"] else None
-        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+        speed = base["tokens_per_s"]
+        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / speed if speed else None
         t0, t = base.get("time_to_target_s"), r.get("time_to_target_s")
         r["time_to_target_vs_first"] = (t0 / t) if t0 and t else None
     print(format_table(results, args.link, args.target_loss))
@@ -345,11 +394,14 @@ def format_table(results: list[dict[str, Any]], link: str | None,
         head = head[:1] + [f"s to val {target:g}", "sooner vs first"] + head[1:]
     rows = []
     for r in results:
+        if r.get("error"):  # a peer that could not run: its reason under the table
+            rows.append([str(r["optimizer"]), "failed"] + ["-"] * (len(head) - 2))
+            continue
         row = [
             str(r["optimizer"]) + (f" (froze {r['frozen_at']})" if r.get("frozen_at") else ""),
             _cell(r["val_loss"], ".4f"), _cell(r["val_loss_vs_first"], ".4f"),
             f"{r['bytes_sent'] / 1e6:.1f}", _cell(r["bytes_fewer_than_first"], ".2f"),
-            f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s_vs_first']:.2f}x",
+            f"{r['tokens_per_s']:.0f}", _cell(r["tokens_per_s_vs_first"], ".2f") + "x",
             f"{r['step_s']:.3f}", _cell(r.get("compute_s_per_step"), ".3f"),
             _cell(r.get("grad_comm_s_per_step") if r.get("comm_s_per_step") is not None
                   else None, ".3f"),
@@ -360,11 +412,17 @@ def format_table(results: list[dict[str, Any]], link: str | None,
             row = row[:1] + [_cell(r.get("time_to_target_s"), ".1f"),
                              _cell(r.get("time_to_target_vs_first"), ".2f")] + row[1:]
         rows.append(row)
+    if any("inter_node_bytes_per_token" in r for r in results):  # --two-nodes
+        at = head.index("fewer bytes") + 1
+        head.insert(at, "node-link B/token")
+        for row, r in zip(rows, results, strict=True):
+            row.insert(at, _cell(r.get("inter_node_bytes_per_token"), ".4g"))
     w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
     line = "  ".join(f"{{:<{n}}}" for n in w)
     title = f"link: {link or 'loopback (unshaped)'}"
+    failed = [f"{r['optimizer']}: failed: {r['error']}" for r in results if r.get("error")]
     return "\n".join([title, line.format(*head), line.format(*("-" * n for n in w))]
-                     + [line.format(*x) for x in rows])
+                      + [line.format(*x) for x in rows] + failed)
 
 
 if __name__ == "__main__":

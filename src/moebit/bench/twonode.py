@@ -12,6 +12,7 @@ inside the two namespaces we create are used (10.77.0.1 and 10.77.0.2).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -52,12 +53,22 @@ def _setup(ip: str, tc: str, names: list[str], tag: str, bits: int, burst: str,
               f"{bits}bit", "burst", burst, "latency", latency])
 
 
+def veth_tx_bytes(ip: str, ns: str, dev: str) -> int:
+    """Bytes ``dev`` in namespace ``ns`` has sent (frames: payload plus TCP/IP headers)."""
+    out = subprocess.run([ip, "-n", ns, "-j", "-s", "link", "show", "dev", dev],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
 def run_two_nodes(argv_of: Callable[[int, str], list[str]], rate: str,
                   env: Mapping[str, str] | None = None, timeout: float | None = None,
-                  burst: str = "128kb", latency: str = "100ms") -> list[int]:
+                  burst: str = "128kb", latency: str = "100ms",
+                  link_bytes: list[int] | None = None) -> list[int]:
     """Run ``argv_of(node, node0_addr)`` in node's namespace, both at once; return codes.
 
     Each node's ranks get ``GLOO_SOCKET_IFNAME`` set to its veth, so gloo binds there.
+    ``link_bytes``, when given, receives what each node sent over the shaped veth pair
+    (node 0 to 1, node 1 to 0), read when both have exited: every byte between the nodes.
     """
     bits = parse_rate(rate)
     ip, tc = _require_tools()
@@ -76,7 +87,10 @@ def run_two_nodes(argv_of: Callable[[int, str], list[str]], rate: str,
             full = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": _veth(tag, i)}
             procs.append(subprocess.Popen([ip, "netns", "exec", ns, *argv_of(i, ADDRS[0])],
                                           env=full, start_new_session=True))
-        return [p.wait(timeout=timeout) for p in procs]
+        codes = [p.wait(timeout=timeout) for p in procs]
+        if link_bytes is not None:
+            link_bytes[:] = [veth_tx_bytes(ip, ns, _veth(tag, i)) for i, ns in enumerate(names)]
+        return codes
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"the two-node run did not finish in {timeout} s") from None
     finally:

@@ -14,11 +14,13 @@ from moebit.bench.ddp_peer import PEERS
 from moebit.cli.launch import prepare_run_dir, run_ranks
 from moebit.cli.train import parse_train_args
 
+TORCHFT = "torchft_diloco"  # moebit.bench.torchft_peer: torchft's DiLoCo, not DDP
+
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m moebit.cli.ddp_peer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peer", choices=PEERS, required=True)
+    ap.add_argument("--peer", choices=(*PEERS, TORCHFT), required=True)
     ap.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's matrix rank")
     ap.add_argument("--powersgd-start", type=int, default=None,
                     help="exact allreduce before this step (default: 20%% of the steps, as "
@@ -39,6 +41,9 @@ def main(argv: list[str]) -> int:
                    str(start)]
     if args.bucket_cap_mb is not None:
         worker_args += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    if args.peer == TORCHFT:
+        run_ranks(launch, "moebit.bench.torchft_peer", worker_args[:3], "torchft DiLoCo peer")
+        return 0
     run_ranks(launch, "moebit.bench.ddp_peer", worker_args, f"DDP peer {args.peer}")
     return 0
 

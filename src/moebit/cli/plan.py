@@ -26,7 +26,8 @@ from moebit.plan import calibrate as cal
 from moebit.plan.benchmode import bench_predict, compare_rows, freeze_of, parse_train_flags
 from moebit.plan.cluster import ClusterSpec, load_cluster, parse_bandwidth, parse_latency
 from moebit.plan.loaders import load_model
-from moebit.plan.model import OPTIMIZERS, Setup, compare
+from moebit.plan.model import OPTIMIZERS, Setup
+from moebit.plan.outer import OUTER_OPTIMIZERS, OuterSetup, compare_all, format_outer
 from moebit.plan.report import format_plan, format_validation, plot
 from moebit.plan.spec import SpecError
 
@@ -63,6 +64,16 @@ def _plan_parser() -> argparse.ArgumentParser:
     s.add_argument("--hierarchical-a2a", action="store_true")
     s.add_argument("--overlap", type=float, default=0.0,
                    help="share of backward that hides exact allreduces (moebit: 0)")
+    o = ap.add_argument_group("outer rows (--optimizers diloco,streaming_diloco)")
+    o.add_argument("--outer-every", type=int, default=100, help="H: inner steps per sync")
+    o.add_argument("--outer-compress", default="none",
+                   help="none|bf16|int8|1bit, or a list (one row each), e.g. none,int8,1bit")
+    o.add_argument("--outer-fragments", type=int, default=0,
+                   help="F for streaming_diloco (default 4; diloco is 1)")
+    o.add_argument("--outer-delay", type=int, default=0,
+                   help="D: inner steps a fragment's exchange overlaps")
+    o.add_argument("--outer-group", choices=("node", "world"), default="node")
+    o.add_argument("--outer-int8-block", type=int, default=256)
     ap.add_argument("--json", help="write the plan here")
     ap.add_argument("--plot", metavar="DIR", help="write speedup plots (PNG) here")
     ap.add_argument("--validate", metavar="BENCH_JSON",
@@ -99,12 +110,17 @@ def _bench_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _optimizers(text: str) -> list[str]:
+def _optimizers(text: str, outer: bool = False) -> list[str]:
     opts = [o.strip() for o in text.split(",") if o.strip()]
-    bad = [o for o in opts if o not in OPTIMIZERS]
+    known = OPTIMIZERS + (OUTER_OPTIMIZERS if outer else ())
+    bad = [o for o in opts if o not in known]
     if not opts or bad:
-        raise SpecError(f"--optimizers: {bad or text!r} not among {', '.join(OPTIMIZERS)}")
+        raise SpecError(f"--optimizers: {bad or text!r} not among {', '.join(known)}")
     return opts
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _calibration(args: argparse.Namespace, world: int, cfg: Any = None) -> dict[str, Any] | None:
@@ -217,13 +233,18 @@ def run_plan(argv: list[str]) -> int:
     calib = _calibration(args, args.devices_per_node or 2)
     cluster = _cluster(args, calib)
     setup = _setup(args, cluster, cfg)
-    opts = _optimizers(args.optimizers)
-    rows = compare(model, cluster, setup, opts)
+    opts = _optimizers(args.optimizers, outer=True)
+    outer = OuterSetup(args.outer_every, "none", args.outer_fragments, args.outer_delay,
+                       args.outer_group, args.outer_int8_block)
+    rows = compare_all(model, cluster, setup, opts, outer, _split(args.outer_compress))
     print(format_plan(rows, model, cluster, setup))
+    if any(o in OUTER_OPTIMIZERS for o in opts):
+        print("\n" + format_outer(rows))
     doc = {"model": model.summary(), "cluster": cluster.to_dict(), "setup": vars(setup),
            "calibration": calib, "results": rows}
-    if args.plot:
-        doc["plots"] = plot(model, cluster, setup, opts, args.plot)
+    plain = [o for o in opts if o not in OUTER_OPTIMIZERS]
+    if args.plot and plain:  # the sweeps cover the per-step optimizers
+        doc["plots"] = plot(model, cluster, setup, plain, args.plot)
         print("plots: " + ", ".join(doc["plots"]))
     _write_json(args.json, doc)
     return 0

@@ -87,12 +87,38 @@ def module_blocks(blocks: Blocks) -> list[list[torch.Tensor]]:
 
 
 def split_fragments(blocks: list[list[torch.Tensor]], fragments: int) -> list[list[torch.Tensor]]:
-    """``fragments`` groups of consecutive blocks, as equal in block count as possible."""
+    """``fragments`` non-empty groups of consecutive blocks whose largest holds as few
+    elements as possible: a sync's peak traffic is its largest fragment, so Streaming
+    DiLoCo's peak is 1/F of DiLoCo's when the blocks allow it (an embedding block next to
+    the decoder blocks would otherwise double one fragment)."""
     if fragments > len(blocks):
         raise ValueError(f"invalid outer_fragments {fragments}: more fragments than the "
                          f"{len(blocks)} blocks of trainable parameters")
-    bounds = [(i * len(blocks)) // fragments for i in range(fragments + 1)]
+    bounds = balanced_bounds([sum(p.numel() for p in b) for b in blocks], fragments)
     return [[p for b in blocks[lo:hi] for p in b] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+def balanced_bounds(sizes: list[int], parts: int) -> list[int]:
+    """Cut points 0 = b_0 < ... < b_parts = len(sizes) minimizing the largest part's sum
+    (dynamic programming over prefix sums; the first minimum wins, so it is deterministic)."""
+    n = len(sizes)
+    pre = [0]
+    for s in sizes:
+        pre.append(pre[-1] + s)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][i]: first i blocks in k parts
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], pre[i] - pre[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
 
 
 

@@ -1,0 +1,211 @@
+"""The outer sync of DiLoCo / Streaming DiLoCo in ``moebit plan``: bytes, overlap, share.
+
+An outer row (``--optimizers diloco`` or ``streaming_diloco``) trains AdamW inside each
+worker and syncs every H inner steps, as ``moebit train --outer`` does
+(``moebit.optim.outer``):
+
+    inner step  = compute + the worker's own per-step exchange: with ``--outer-group node``
+                  a worker is one node, whose ranks average their dense gradients (and
+                  their expert gradients over the ranks of the same ep rank) over the
+                  device links every step; with ``world`` every rank is its own worker and
+                  exchanges nothing per step; plus the all-to-alls of expert parallelism
+    outer sync  = the pseudo-gradient of one fragment (1/F of the held parameters; F = 1
+                  for DiLoCo) averaged over the outer group: the same local rank on every
+                  node (``node``: all of a node's outer groups share its link at once) or
+                  every rank (``world``). Dense and expert parts travel apart, as
+                  ``OuterOptimizer._average`` sends them. Per element:
+                  none 4 bytes and bf16 2 bytes (ring allreduce), int8 two all-to-all
+                  phases of 1 byte + 4 per block of ``int8_block`` (comm/quantize.py),
+                  1bit moebit's 1-bit allreduce (comm/compressed.py)
+    exposed     = max(0, sync time - D x inner step): a fragment's exchange runs behind
+                  the next D inner steps (``--outer-delay``), the rest blocks training
+    per step    = inner step + F x exposed / H (F fragment syncs every H steps)
+
+Peak bytes per step is one fragment's sync (fragments start at offsets i*H/F, so no two
+start at the same step when F <= H): 1/F of DiLoCo's. Fragments are priced as equal
+slices of the held parameters; moebit cuts them at block boundaries, so a real fragment
+may differ from 1/F by up to one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moebit.plan import collectives as coll
+from moebit.plan.cluster import ClusterSpec
+from moebit.plan.model import OPTIMIZERS, Setup, _a2a, _bucketed_allreduce, predict
+from moebit.plan.spec import ModelSpec, SpecError
+
+OUTER_OPTIMIZERS = ("diloco", "streaming_diloco")
+COMPRESSIONS = ("none", "bf16", "int8", "1bit")  # optim/outer_compress.py's
+
+
+@dataclass
+class OuterSetup:
+    """The ``--outer-*`` settings of the outer rows (the same keys as ``moebit train``)."""
+
+    every: int = 100  # H
+    compress: str = "none"
+    fragments: int = 0  # 0: 1 for diloco, 4 for streaming_diloco
+    delay: int = 0  # D
+    group: str = "node"  # node | world
+    int8_block: int = 256
+
+    def fragments_for(self, optimizer: str) -> int:
+        if optimizer == "diloco":
+            return 1
+        return self.fragments or 4
+
+    def check(self, optimizer: str) -> None:
+        for key in ("every", "int8_block"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"setup.outer_{key}: must be a positive integer (got {v!r})")
+        if self.compress not in COMPRESSIONS:
+            raise SpecError(f"setup.outer_compress: {self.compress!r} is not one of "
+                            f"{', '.join(COMPRESSIONS)}")
+        if self.group not in ("node", "world"):
+            raise SpecError(f"setup.outer_group: {self.group!r} is not node or world")
+        f = self.fragments_for(optimizer)
+        if f > self.every:
+            raise SpecError(f"setup.outer_fragments: {f} fragments do not fit in "
+                            f"outer_every {self.every} inner steps")
+        if self.delay < 0 or (self.delay and self.delay * f >= self.every):
+            raise SpecError(f"setup.outer_delay: must be >= 0 and < outer_every / fragments "
+                            f"= {self.every / f:g} (got {self.delay})")
+
+
+def exchange_cost(c: ClusterSpec, grp: coll.Group, n: int, compress: str,
+                  block: int = 256) -> tuple[float, float]:
+    """(seconds, bytes sent per rank) of averaging ``n`` float32 elements over ``grp`` as
+    ``moebit.optim.outer_compress`` does for ``compress``."""
+    w = grp.size
+    if w <= 1 or n <= 0:
+        return 0.0, 0.0
+    if compress in ("none", "bf16"):
+        return coll.ring_allreduce(c, grp, n * (4 if compress == "none" else 2))
+    if compress == "int8":
+        chunk = -(-n // (w * block)) * block  # elements per rank, padded (Int8Allreduce)
+        row = chunk * (1 + 4 / block)  # int8 values + a float32 scale per block, to each peer
+        t, b = coll.all_to_all(c, grp, row)
+        return 2 * t + 4 * n / c.pack_rate, 2 * b  # two phases; quantize, dequantize twice
+    seconds, _, sent = coll.onebit_allreduce(c, grp, n)
+    return seconds, sent
+
+
+def outer_groups(c: ClusterSpec, mode: str, ep_size: int) -> tuple[coll.Group, coll.Group | None,
+                                                                   coll.Group | None]:
+    """(outer group, inner dense group, inner expert group) for ``--outer-group mode``."""
+    g = c.devices_per_node
+    if mode == "world":
+        return coll.group_of(c, c.world), None, None
+    if g % ep_size:
+        raise SpecError(f"setup.ep_size: {ep_size} does not divide the {g} devices of a node "
+                        "(--outer-group node keeps expert parallelism inside a node)")
+    outer = coll.group_of(c, c.nodes, stride=g)
+    return outer, coll.group_of(c, g), coll.group_of(c, g // ep_size, stride=ep_size)
+
+
+def predict_outer(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
+                  o: OuterSetup) -> dict[str, Any]:
+    """A ``predict()``-shaped row for an outer optimizer, with its ``outer`` section."""
+    s.check(c.world, model)
+    o.check(optimizer)
+    frags = o.fragments_for(optimizer)
+    seq = s.seq_len or model.seq_len
+    tokens = s.micro_batch * seq
+    experts = model.expert_total_params() // s.ep_size
+    dense = model.dense_params()
+    passes = model.train_flops_per_token() * tokens / c.flops
+    compute = passes * s.grad_accum + (dense + experts) / c.update_rate
+    outer, inner, inner_exp = outer_groups(c, o.group, s.ep_size)
+    a2a_t, a2a_b = (x * s.grad_accum for x in _a2a(c, model, s, tokens))
+    inner_t = inner_b = 0.0
+    if inner is not None:
+        inner_t, inner_b = _bucketed_allreduce(c, inner, dense * s.grad_bytes)
+        if experts and inner_exp is not None:
+            et, eb = _bucketed_allreduce(c, inner_exp, experts * s.grad_bytes)
+            inner_t, inner_b = inner_t + et, inner_b + eb
+    inner_step = compute + inner_t + a2a_t
+    parts = [(dense + frags - 1) // frags] + ([(experts + frags - 1) // frags] if experts else [])
+    costs = [exchange_cost(c, outer, n, o.compress, o.int8_block) for n in parts]
+    sync_s, sync_b = sum(t for t, _ in costs), sum(b for _, b in costs)
+    exposed = max(0.0, sync_s - o.delay * inner_step)
+    outer_per_step = frags * exposed / o.every
+    step_s = inner_step + outer_per_step
+    syncs = frags * (s.steps // o.every)  # fragment syncs in the run (whole intervals)
+    inner_bytes = (inner_b + a2a_b) * s.steps
+    outer_bytes = sync_b * syncs
+    tokens_step = tokens * s.grad_accum * c.world
+    comm = inner_t + a2a_t + outer_per_step
+    crosses = o.group == "world" and outer.nodes > 1 or o.group == "node" and c.nodes > 1
+    section = {
+        "every": o.every, "compress": o.compress, "fragments": frags, "delay": o.delay,
+        "group": o.group, "outer_group_size": outer.size, "syncs": syncs,
+        "bytes_per_sync": sync_b, "bytes_per_step": frags * sync_b / o.every,
+        "peak_bytes_per_step": sync_b, "sync_s": sync_s, "hidden_s": sync_s - exposed,
+        "exposed_s_per_sync": exposed, "outer_s_per_step": outer_per_step,
+        "outer_share": outer_per_step / step_s,
+        # bytes that cross the node link per token trained (every rank's outer bytes when
+        # the outer group spans nodes; the inner exchange stays inside a node)
+        "inter_node_bytes_per_token": (c.world * frags * sync_b / o.every / tokens_step
+                                       if crosses else 0.0),
+    }
+    run_s = step_s * s.steps
+    return {
+        "optimizer": f"{optimizer}({o.compress})", "world_size": c.world,
+        "n_params": model.total_params(), "tokens_per_s": tokens_step / step_s, "step_s": step_s,
+        "comm_s_per_step": comm, "compute_s_per_step": compute, "comm_share": comm / step_s,
+        "bytes_sent": inner_bytes + outer_bytes,
+        "bytes_per_step": {"exact": inner_b + a2a_b, "outer": section["bytes_per_step"]},
+        "step_s_by_kind": {"exact": inner_step, "outer": outer_per_step},
+        "steps_by_kind": {"exact": s.steps, "onebit": 0, "local": 0}, "run_s": run_s,
+        "frozen_at": None, "tokens_per_s_run": tokens_step * s.steps / run_s, "outer": section,
+    }
+
+
+def compare_all(model: ModelSpec, c: ClusterSpec, s: Setup, optimizers: list[str],
+                outer: OuterSetup, compressions: list[str] | None = None) -> list[dict[str, Any]]:
+    """``model.compare`` over plain and outer optimizers: an outer one gives a row per
+    compression in ``compressions`` (default: ``outer.compress``)."""
+    rows = []
+    for name in optimizers:
+        if name in OUTER_OPTIMIZERS:
+            for comp in compressions or [outer.compress]:
+                rows.append(predict_outer(model, c, s, name,
+                                          OuterSetup(**{**asdict(outer), "compress": comp})))
+        elif name in OPTIMIZERS:
+            rows.append(predict(model, c, s, name))
+        else:
+            raise SpecError(f"setup.optimizer: {name!r} is not one of "
+                            f"{', '.join(OPTIMIZERS + OUTER_OPTIMIZERS)}")
+    base = rows[0]
+    for r in rows:
+        r["tokens_per_s_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["run_speedup_vs_first"] = base["run_s"] / r["run_s"]
+        r["bytes_fewer_than_first"] = base["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else None
+    return rows
+
+
+def format_outer(rows: list[dict[str, Any]]) -> str:
+    """The outer rows' sync: bytes per sync / per step / peak, overlap and share."""
+    outer = [r for r in rows if "outer" in r]
+    if not outer:
+        return ""
+    head = ["outer row", "H", "F", "D", "group", "MB/sync", "MB/step", "peak MB/step",
+            "sync s", "hidden s", "outer s/step", "share of step", "node-link B/token"]
+    body = []
+    for r in outer:
+        o = r["outer"]
+        body.append([r["optimizer"], str(o["every"]), str(o["fragments"]), str(o["delay"]),
+                     f"{o['group']} ({o['outer_group_size']})",
+                     f"{o['bytes_per_sync'] / 1e6:.4g}", f"{o['bytes_per_step'] / 1e6:.4g}",
+                     f"{o['peak_bytes_per_step'] / 1e6:.4g}", f"{o['sync_s']:.4g}",
+                     f"{o['hidden_s']:.4g}", f"{o['outer_s_per_step']:.4g}",
+                     f"{100 * o['outer_share']:.1f}%", f"{o['inter_node_bytes_per_token']:.4g}"])
+    w = [max(len(h), *(len(x[i]) for x in body)) for i, h in enumerate(head)]
+    line = "  ".join(f"{{:<{n}}}" for n in w)
+    return "\n".join(["outer sync (bytes per rank; hidden: behind --outer-delay inner steps)",
+                      line.format(*head), line.format(*("-" * n for n in w))]
+                     + [line.format(*x) for x in body])
