@@ -71,8 +71,10 @@ from moebit.training.setup import (
     param_groups,
     resume_or_broadcast,
     saved_totals,
+    shard_if_asked,
     start_record,
 )
+from moebit.training.shard_loop import clip_sharded, memory_fields, shard_state
 from moebit.training.tokenized import corpus_for_model
 
 SAMPLE_PROMPTS = ["def ", "import ", "class ", "    return "]
@@ -98,7 +100,7 @@ def end_record(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer, me
         "nan_skipped": t.nan_skipped, "collectives": t.collectives,
         "bytes_sent_by_kind": t.bytes_sent_by_kind,
         "comm_rounds": getattr(opt, "comm_rounds", None), "outer_syncs": t.outer_syncs,
-        "outer_seconds": t.outer_seconds,
+        "outer_seconds": t.outer_seconds, "shard": cfg.shard, **memory_fields(model, opt),  # type: ignore[arg-type]
     }
 
 
@@ -164,6 +166,7 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
     check_block_size(corpus, block)
     model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
     hooks.init_model(model)
+    shard_if_asked(cfg, model)  # the optimizer below is built on the sharded parameters
     groups = make_outer_groups(cfg)  # inner averages stay inside the worker
     opt = make_optimizer(cfg, param_groups(model, cfg, groups))
     batches = TrainBatches(corpus.train, block, cfg.batch_size, cfg.seed, info.rank)
@@ -215,8 +218,12 @@ def step_once(r: Run, step: int) -> None:
         loss, extra = loss + term[0], term[1]
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    averaged = average_for_step(opt)
-    norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
+    if shard_state(r.model) is not None:  # type: ignore[arg-type]
+        averaged = True  # FSDP's reduce-scatter averaged them, over the right groups
+        norm = clip_sharded(r.model, cfg.grad_clip)  # type: ignore[arg-type]
+    else:
+        averaged = average_for_step(opt)
+        norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
     loss_value = float(out.loss.detach())
     # Every rank reaches the same verdict: a lone rank that stops or skips would leave
     # the others blocked in the next collective until the process-group timeout. With an

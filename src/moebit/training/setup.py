@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
 from moebit.training.meter import RunTotals
+from moebit.training.shard_loop import shard_config, shard_state
+from moebit.training.sharding import shard_model
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -43,7 +46,7 @@ def param_groups(model: CausalLM, cfg: TrainConfig | None = None,
     if groups is not None:
         trainable = [p for p in model.parameters() if p.requires_grad]  # type: ignore[attr-defined]
         return inner_param_groups(trainable, groups, is_expert_param)
-    if model.ep_groups is not None:
+    if model.ep_groups is not None and shard_state(model) is None:  # FSDP averages experts
         return split_params_for_ep(model)  # type: ignore[arg-type]
     return [{"params": [p for p in model.parameters() if p.requires_grad]}]  # type: ignore[attr-defined]
 
@@ -167,6 +170,20 @@ def broadcast_model(model: CausalLM) -> None:
                           expert_src=ep.expert_dp_ranks[0], is_expert=is_expert_param)
 
 
+def shard_if_asked(cfg: TrainConfig, model: CausalLM) -> bool:
+    """Under ``shard``: rank 0's initial weights everywhere, then FSDP2 over the ranks (in
+    place), before the optimizer is built on the sharded parameters. Returns whether the
+    model is now sharded."""
+    if cfg.shard == "none":
+        return False
+    broadcast_model(model)  # the replicas agree before each rank keeps its shard
+    # FSDP2 warns when a unit returns a view; moebit's blocks and heads return fresh
+    # tensors nobody modifies in place (the sharded gradients equal the replicated ones)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    shard_model(model, shard_config(cfg))  # type: ignore[arg-type]
+    return True
+
+
 def open_metrics(run_dir: Path, info: DistInfo, resumed_at: int | None) -> MetricsWriter | None:
     """Rank 0's metrics log, with the records after a resumed checkpoint dropped."""
     if not info.is_main:
@@ -187,7 +204,7 @@ def resume_or_broadcast(run_dir: Path, model: CausalLM, opt: torch.optim.Optimiz
     resumed = None
     if cfg.resume or restarted:
         resumed = ckpt_io.restore(run_dir, model, opt, batches, info, cfg)  # type: ignore[arg-type]
-    if resumed is None:
+    if resumed is None and shard_state(model) is None:  # a sharded model was broadcast before
         broadcast_model(model)
     return resumed
 
