@@ -38,7 +38,7 @@ from moebit.comm.outer_groups import OuterGroups
 from moebit.inference.generate import generate_tokens
 from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.interface import CausalLM
-from moebit.models.registry import build_model, family_of
+from moebit.models.registry import family_of
 from moebit.moe import update_router_biases_
 from moebit.optim import OuterOptimizer
 from moebit.runs import runtime, tracking
@@ -60,6 +60,7 @@ from moebit.training.grads import (
 from moebit.training.hooks import Hooks, Loop
 from moebit.training.meter import Meter
 from moebit.training.setup import (
+    build_run_model,
     load_outer,
     lr_at,
     make_optimizer,
@@ -71,7 +72,6 @@ from moebit.training.setup import (
     param_groups,
     resume_or_broadcast,
     saved_totals,
-    shard_if_asked,
     start_record,
 )
 from moebit.training.shard_loop import clip_sharded, memory_fields, shard_state
@@ -164,9 +164,7 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
                      str(Path(str(cfg.init_from)) / TOKENIZER_FILE))
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
-    model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
-    hooks.init_model(model)
-    shard_if_asked(cfg, model)  # the optimizer below is built on the sharded parameters
+    model = build_run_model(cfg, hooks.init_model, info.device)  # sharded under shard
     groups = make_outer_groups(cfg)  # inner averages stay inside the worker
     opt = make_optimizer(cfg, param_groups(model, cfg, groups))
     batches = TrainBatches(corpus.train, block, cfg.batch_size, cfg.seed, info.rank)
