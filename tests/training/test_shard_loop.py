@@ -121,6 +121,13 @@ def test_the_end_record_carries_state_bytes_and_peak_rss_for_every_run(pool) -> 
     assert rep["shard"] == "none" and fsdp["shard"] == "fsdp"
     # 2 ranks: each keeps about half of every tensor (FSDP pads a few rows)
     assert 0.45 < fsdp["state_bytes_per_rank"] / rep["state_bytes_per_rank"] <= 0.55
+    # moebit plan memory predicts what the ranks measured
+    from moebit.plan.memory import count, rank_memory
+
+    cfg = build(cfg_for(Path("unused"), pool["root"] / "fsdp", shard="fsdp"))
+    for end, shard in ((rep, "none"), (fsdp, "fsdp")):
+        plan = rank_memory(cfg, count(cfg), 2, 2, shard)
+        assert abs(plan.state - end["state_bytes_per_rank"]) <= 0.03 * end["state_bytes_per_rank"]
     on_disk = _records(pool["root"] / "fsdp")[-1]
     assert on_disk["kind"] == "end" and on_disk["state_bytes_per_rank"] == fsdp["state_bytes_per_rank"]
 
