@@ -22,7 +22,6 @@ parameters, each decoder block's size. Per rank, in bytes:
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,25 +30,20 @@ from moebit.models.registry import family_of
 from moebit.moe import is_expert_param
 from moebit.plan.spec import SpecError
 from moebit.training.config import TrainConfig
+from moebit.training.shard_memory import size_bytes
 
 BASE_BYTES = 350 << 20
 OPTIMIZER_BYTES = {"adam": 8.0, "lamb": 8.0}
 ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 _DTYPE_BYTES = {None: 4, "fp32": 4, "bf16": 2, "fp16": 2}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_size(text: str, what: str = "--memory-per-rank") -> int:
     """Bytes of ``24GiB``, ``1.5GB``, ``512MiB`` or a plain number; else a SpecError."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise SpecError(f"{what}: expected a size such as 24GiB, 1.5GB or 512MiB (got {text!r})")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise SpecError(f"{what}: must be positive (got {text!r})")
-    return value
+    try:
+        return size_bytes(text, what)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
 
 
 @dataclass(frozen=True)
