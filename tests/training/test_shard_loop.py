@@ -100,7 +100,7 @@ def pool(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         hf_cfg = transformers.AutoConfig.for_model("mixtral", **MIXTRAL)
         transformers.AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(root / "hf")
         hf = str(root / "hf")
-    ranks = run_on_ranks(_pool, 2, args=(str(small_corpus), str(root), hf), timeout=400)
+    ranks = run_on_ranks(_pool, 2, args=(str(small_corpus), str(root), hf), timeout=600)
     return {"root": root, "ranks": ranks, "hf": hf}
 
 
@@ -128,6 +128,9 @@ def test_the_end_record_carries_state_bytes_and_peak_rss_for_every_run(pool) -> 
     for end, shard in ((rep, "none"), (fsdp, "fsdp")):
         plan = rank_memory(cfg, count(cfg), 2, 2, shard)
         assert abs(plan.state - end["state_bytes_per_rank"]) <= 0.03 * end["state_bytes_per_rank"]
+    from moebit.runs.tracking import tags_of  # TensorBoard / W&B mirror these fields
+
+    assert {"end/state_bytes_per_rank", "end/peak_rss_mb"} <= set(tags_of(fsdp).scalars)
     on_disk = _records(pool["root"] / "fsdp")[-1]
     assert on_disk["kind"] == "end" and on_disk["state_bytes_per_rank"] == fsdp["state_bytes_per_rank"]
 
