@@ -219,6 +219,7 @@ def test_every_flag_named_in_prose_exists(monkeypatch):
         if sub != "bench":
             known |= options_for([sub, "x"], monkeypatch)
     known |= options_for(["plan", "bench"], monkeypatch)
+    known |= options_for(["plan", "memory"], monkeypatch)
     from moebit.cli.bench import BENCHMARKS
 
     for name in BENCHMARKS:

@@ -48,6 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from moebit.bench.train_nodes import link_fields, run_on_two_nodes
+from moebit.bench.train_shard import (
+    cap_bytes,
+    format_shard_table,
+    parse_shards,
+    run_capped,
+    shard_fields,
+)
 from moebit.runs import metrics
 
 
@@ -152,6 +159,7 @@ def measure(run_dir: Path, measure_from: int, target: float | None = None) -> di
         "time_to_target_s": time_to_target(recs, target),
         "a2a_dtype": cfg.get("a2a_dtype"),
         **link_fields(run_dir, cfg["steps"] * tokens_per_step),  # --two-nodes rows
+        **shard_fields(recs, cfg),  # memory, sharded-collective bytes, last loss
     }
 
 
@@ -244,17 +252,22 @@ def _jobs(args: argparse.Namespace, extra: list[str], out: Path) -> list[tuple[s
     """(label, argv, run folder) of every row except the limit, in the order they run."""
     jobs = []
     dtypes = args.a2a_dtypes.split(",") if args.a2a_dtypes else [None]
+    shards = parse_shards(args.shards) if args.shards else [(None, [])]
     for opt in args.optimizers.split(","):
         for dt in dtypes:
-            exact = opt in ("adam", "lamb", *OUTER_ROWS)
-            name = opt if exact or args.freeze_step is None else f"{opt}-freeze{args.freeze_step}"
-            inner, flags = row_flags(extra, opt, "node" if args.two_nodes else "world")
-            if dt is not None:
-                flags = [*flags, "--a2a-dtype", dt, "--a2a-grad-dtype", dt]
-            label = opt if dt is None else f"{opt} a2a={dt}"
-            run_dir = out / (name if dt is None else f"{name}-a2a-{dt}")
-            jobs.append((label, _train_argv(flags, inner, args.nproc, args.steps, run_dir,
-                                            args.freeze_step, args.seed), run_dir))
+            for shard, shard_flags in shards:  # --shards: one row per sharding setting
+                exact = opt in ("adam", "lamb", *OUTER_ROWS)
+                name = opt if exact or args.freeze_step is None else f"{opt}-freeze{args.freeze_step}"
+                inner, flags = row_flags(extra, opt, "node" if args.two_nodes else "world")
+                if dt is not None:
+                    flags = [*flags, "--a2a-dtype", dt, "--a2a-grad-dtype", dt]
+                label = opt if dt is None else f"{opt} a2a={dt}"
+                run_dir = out / (name if dt is None else f"{name}-a2a-{dt}")
+                if shard is not None:
+                    flags, label = [*flags, *shard_flags], f"{label} shard={shard}"
+                    run_dir = run_dir.with_name(f"{run_dir.name}-{shard.replace(':', '-')}")
+                jobs.append((label, _train_argv(flags, inner, args.nproc, args.steps, run_dir,
+                                                args.freeze_step, args.seed), run_dir))
     for peer in args.peers.split(",") if args.peers else []:
         if peer == "torchft_diloco":  # torchft's DiLoCo with this run's --outer-* flags
             run_dir = out / "torchft-diloco"
@@ -330,7 +343,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", default="bench-out/train")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--json", default=None, help="write the results here (default OUT/results.json)")
+    ap.add_argument("--shards", default=None,
+                    help="sharding settings, one row each: none,fsdp,fsdp:rs=int8 (MODE[:rs=F][:ag=F])")
+    ap.add_argument("--rank-memory-cap", default=None, metavar="SIZE",
+                    help="RLIMIT_AS of every process of a row (2GiB): a row that does not fit fails")
     args = ap.parse_args(argv)
+    if args.shards:
+        parse_shards(args.shards)  # a bad entry fails before any run starts
+    cap_bytes(args.rank_memory_cap)
     if args.limit:
         limit_extra(extra)  # a bad EP limit fails before any run starts
     if args.two_nodes and (not args.link or args.nproc % 2 or args.limit):
@@ -343,12 +363,17 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measure_from = args.measure_from if args.measure_from is not None else int(0.6 * args.steps)
-    results = []
+    results, failed, cap = [], [], cap_bytes(args.rank_memory_cap)
     for label, job, run_dir in _jobs(args, extra, out):
         print(f"== {label}: {args.nproc} ranks, {args.steps} steps"
               + (f", link {args.link}" if args.link else ""), file=sys.stderr, flush=True)
         try:
-            if args.two_nodes:
+            if cap is not None:  # a row that does not fit the cap is a result, not an abort
+                error = run_capped(job, cap, args.timeout)
+                if error is not None:
+                    failed.append({"optimizer": label, "run": str(run_dir), "error": error})
+                    continue
+            elif args.two_nodes:
                 codes = run_on_two_nodes(job, args.nproc, run_dir, args.link, args.timeout)
                 if max(codes):
                     raise RuntimeError(f"two-node run failed ({codes}): {' '.join(job)}")
@@ -366,7 +391,7 @@ def main(argv: list[str]) -> int:
         print(f"== no-communication limit: {args.nproc} independent single-rank runs",
               file=sys.stderr, flush=True)
         results.append(_limit_row(args, extra, out, measure_from))
-    base = results[0]
+    base = results[0] if results else {}
     for r in results:
         r["val_loss_vs_first"] = (r["val_loss"] / base["val_loss"]) if r["val_loss"] else None
         r["bytes_fewer_than_first"] = (base["bytes_sent"] / r["bytes_sent"]) if r["bytes_sent"] else None
@@ -374,11 +399,14 @@ def main(argv: list[str]) -> int:
         r["tokens_per_s_vs_first"] = r["tokens_per_s"] / speed if speed else None
         t0, t = base.get("time_to_target_s"), r.get("time_to_target_s")
         r["time_to_target_vs_first"] = (t0 / t) if t0 and t else None
-    print(format_table(results, args.link, args.target_loss))
+    print(format_table(results, args.link, args.target_loss) if results else "no row finished")
+    if args.shards or failed:
+        print(format_shard_table(results, failed))
     (Path(args.json) if args.json else out / "results.json").write_text(
         json.dumps({"link": args.link, "nproc": args.nproc, "steps": args.steps,
                     "measure_from": measure_from, "extra": extra,
-                    "target_loss": args.target_loss, "results": results}, indent=2))
+                    "target_loss": args.target_loss, "results": results,
+                    "failed": failed, "rank_memory_cap": cap}, indent=2))
     return 0
 
 

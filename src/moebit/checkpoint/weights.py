@@ -8,10 +8,12 @@ a checkpoint saved at one world or ep size loads at another. Used by resume
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from moebit.checkpoint.files import CheckpointError, load_file, shard_name, verify
 from moebit.moe import is_expert_param
@@ -48,6 +50,9 @@ def load_model_weights(d: Path, manifest: dict[str, Any], model: torch.nn.Module
     (ranks 0..ep-1) holds every expert once; each rank takes its slice. Returns the shards
     read (for the optimizer state).
     """
+    if manifest.get("kind") == "dcp":
+        load_dcp_weights(d, manifest, model, rank, ep_size)
+        return []
     names = [shard_name(r) for r in range(manifest["ep_size"])]
     verify(d, {"files": {n: manifest["files"][n] for n in names}})
     shards = [load_file(d / n) for n in names]
@@ -55,3 +60,25 @@ def load_model_weights(d: Path, manifest: dict[str, Any], model: torch.nn.Module
     state = {k: regather(k, [s["model"][k] for s in shards]) for k in shards[0]["model"]}
     model.load_state_dict(state)
     return shards
+
+
+def load_dcp_weights(d: Path, manifest: dict[str, Any], model: torch.nn.Module, rank: int,
+                     ep_size: int) -> None:
+    """A sharded run's DCP checkpoint (``moebit.training.dcp``) into an unsharded ``model``
+    in this one process: every file verified, the whole tensors read without a process
+    group (DCP reassembles the shards of any world size), experts, stored as the global
+    [E, ...] tensors, sliced for expert-parallel rank ``rank % ep_size``."""
+    verify(d, manifest)
+    experts = expert_names(model)
+    local = model.state_dict()
+    want = {k: torch.empty((v.shape[0] * ep_size, *v.shape[1:]) if k in experts else v.shape,
+                           dtype=v.dtype) for k, v in local.items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": want}, checkpoint_id=d, no_dist=True)
+    except Exception as e:  # DCP raises its own types (CheckpointException, ...) for a mismatch
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{d}: its DCP shards do not hold this model: {first}") from None
+    regather = regatherer(model, d, rank, ep_size)
+    model.load_state_dict({k: regather(k, [v]) for k, v in want.items()})

@@ -11,6 +11,10 @@ Bench-compatible (the flags and JSON fields of ``moebit bench train``, predicted
     moebit plan bench --optimizers adam,onebit_adam --nproc 4 --steps 40 --freeze-step 10 \\
         --measure-from 20 --link 1gbit --calibrate --json pred.json -- --n-layer 2 ...
     moebit plan --validate bench.json --calibrate     # re-predict a measurement, row by row
+
+Per-rank memory, replicated and sharded (``moebit.cli.plan_memory``):
+
+    moebit plan memory --nproc 4 --memory-per-rank 2GiB -- --n-layer 12 --d-model 768 --shard fsdp
 """
 
 from __future__ import annotations
@@ -310,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "bench":
             return run_bench(argv[1:])
+        if argv and argv[0] == "memory":  # per-rank memory, replicated and sharded
+            from moebit.cli.plan_memory import run_memory
+
+            return run_memory(argv[1:])
         return run_plan(argv)
     except SpecError as e:
         print(f"moebit plan: error: {e}", file=sys.stderr)

@@ -26,6 +26,8 @@ from moebit.optim.outer_params import check_inner
 from moebit.training.config import ConfigError, TrainConfig
 from moebit.training.data import Corpus, check_block_size, load_corpus
 from moebit.training.setup import make_optimizer, model_blocks, outer_keys
+from moebit.training.shard_loop import check_kind, shard_config
+from moebit.training.sharding import check_layout
 from moebit.training.state import check_model_config
 
 RANK_BASE_BYTES = 350 << 20  # a rank's own footprint: interpreter, torch, gloo buffers
@@ -95,6 +97,23 @@ def check_outer(cfg: TrainConfig, world: int, nproc: int) -> None:
         print(f"moebit train: warning: outer={cfg.outer} with outer_group={cfg.outer_group} on "
               f"{world} rank(s), {nproc} per node, is one worker: nothing to average between "
               "workers (outer_group=world makes every rank a worker)", file=sys.stderr)
+
+
+def check_shard(cfg: TrainConfig, world: int, nproc: int) -> None:
+    """The sharded layout against the launch: the mesh (hsdp: ``nproc`` ranks per node)
+    and, with expert parallelism, each MoE layer's local experts over efsdp."""
+    if cfg.shard == "none":
+        return
+    model = cfg.model_config()
+    pattern = family_of(model).pattern(model)
+    sc = shard_config(cfg)
+    sc.local_world_size = nproc
+    try:
+        for experts in sorted(set(pattern.experts)) or [0]:
+            local = experts // pattern.ep_size if experts and pattern.ep_size > 1 else None
+            check_layout(sc, world, pattern.ep_size, local)
+    except ValueError as e:
+        raise ConfigError(f"shard: {e} (--nproc {nproc} x --nnodes {world // nproc})") from None
 
 
 def check_outer_resume(d: Path, cfg: TrainConfig, world: int) -> None:
@@ -172,7 +191,8 @@ def estimate_rank_bytes(cfg: TrainConfig, world: int) -> int:
     head = getattr(meta, "lm_head", None)
     d = head.in_features if isinstance(head, torch.nn.Linear) else 1024
     activations = cfg.batch_size * model.block_size * 32 * d * pattern.num_layers * 4
-    return RANK_BASE_BYTES + int(params * 16 + activations)
+    shards = world if cfg.shard != "none" else 1  # FSDP splits weights, grads, Adam state
+    return RANK_BASE_BYTES + int(params * 16 / shards + activations)
 
 
 def mem_available() -> int | None:
@@ -208,6 +228,7 @@ def check_run(cfg: TrainConfig, launch: dict[str, Any]) -> Corpus | None:
     check_device(cfg, nproc)
     check_parallel(cfg, world)
     check_outer(cfg, world, nproc)
+    check_shard(cfg, world, nproc)
     check_resources(cfg, nproc, bool(launch.get("force")))
     check_run_dir(Path(cfg.run_dir or "runs"))
     if cfg.init_from:  # weights and tokenizer too, not only config.json: no rank meets them first
@@ -249,4 +270,5 @@ def check_resume(run_dir: Path, cfg: TrainConfig, chosen: Path | None) -> Path:
                 f"moebit train --resume {good}" if good else "; no earlier intact checkpoint")
         raise CheckpointError(f"{e}{hint}") from None
     check_model_config(manifest, cfg.model_config().to_dict(), d)
+    check_kind(d, manifest, cfg)
     return d

@@ -27,6 +27,7 @@ from moebit.models.hf.config import read_config
 from moebit.models.registry import family_of, family_of_folder
 from moebit.moe import MoEConfig
 from moebit.optim import EXACT_OPTIMIZERS, OuterSettings, optimizer_names
+from moebit.training.sharding import DTYPES, MODES, SHARD_MODES, check_composition
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -72,6 +73,14 @@ class TrainConfig:
     outer_alpha: float = 0.0  # mixing of a late update into the local parameters
     outer_int8_block: int = 256
     outer_group: str = "node"  # node: a worker per node; world: every rank its own worker
+    # sharded training (docs/sharding.md): FSDP2 splits parameters, gradients and optimizer
+    # state over the ranks; "none" keeps a whole replica on every rank
+    shard: str = "none"  # none | fsdp | hsdp (shard inside a node, replicate across nodes)
+    reshard_after_forward: bool = True  # free gathered weights after forward (regather in backward)
+    param_dtype: str | None = None  # fp32 | bf16 | fp16: compute / all-gather dtype (None: own)
+    reduce_dtype: str | None = None  # fp32 | bf16 | fp16: gradient reduction dtype
+    rs_compress: str = "none"  # none | bf16 | int8: the gradient reduce-scatter's wire format
+    ag_compress: str = "none"  # none | bf16 | int8: the weight all-gather's wire format
     # run
     seed: int = 1337
     eval_every: int = 50
@@ -261,7 +270,36 @@ def validate(cfg: TrainConfig) -> TrainConfig:
          "freeze_step", f"'auto' is not supported by {cfg.optimizer} (only onebit_adam has the "
          "auto rule); give a step count")
     validate_outer(cfg)
+    validate_shard(cfg)
     return cfg
+
+
+def validate_shard(cfg: TrainConfig) -> None:
+    """The sharding keys on their own and against the optimizer and the outer optimizer
+    (the mesh against the world size is the launcher's check, ``moebit.cli.validate``)."""
+    if cfg.shard not in SHARD_MODES:
+        raise ConfigError(f"shard: must be one of {', '.join(SHARD_MODES)} (got {cfg.shard!r})")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(cfg, key) not in (None, *DTYPES):
+            raise ConfigError(f"{key}: must be one of {', '.join(DTYPES)} or none (got "
+                              f"{getattr(cfg, key)!r})")
+    for key in ("rs_compress", "ag_compress"):
+        value = getattr(cfg, key)
+        if value not in MODES:
+            raise ConfigError(f"{key}: must be one of {', '.join(MODES)} (got {value!r})")
+        if value != "none" and cfg.shard == "none":
+            raise ConfigError(f"{key}: {key}={value} compresses a sharded collective; it needs "
+                              f"shard=fsdp or hsdp (shard is none)")
+    if cfg.shard == "none":
+        return
+    try:
+        check_composition(cfg.optimizer, cfg.shard)
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}") from None
+    if cfg.outer != "none":
+        raise ConfigError(f"outer: outer={cfg.outer} does not compose with shard={cfg.shard} "
+                          f"(theta_sync and the outer momentum are whole replicas per worker); "
+                          f"use shard=none with an outer optimizer")
 
 
 OUTER_MODES = ("none", "diloco", "streaming_diloco")

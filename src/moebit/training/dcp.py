@@ -106,6 +106,18 @@ def _residual_file(rank: int) -> str:
     return f"residuals-rank-{rank:05d}.pt"
 
 
+def rank_state_file(rank: int) -> str:
+    """The per-rank file of ``save_sharded(rank_state=...)`` (RNG, data position)."""
+    return f"rank-state-{rank:05d}.pt"
+
+
+def load_rank_state(ckpt_dir: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
+    """This rank's ``rank_state`` of a verified checkpoint, or None when the save had no
+    rank ``rank`` (another world size) or kept none."""
+    path = Path(ckpt_dir) / rank_state_file(rank)
+    return load_file(path) if path.is_file() else None
+
+
 def _save_residuals(folder: Path, st: ShardState, rank: int) -> None:
     """This rank's int8 error-feedback residuals, one per unit (None before the first
     backward): a plain per-rank file, valid only on the same topology."""
@@ -136,8 +148,9 @@ def _my_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
     rank 0 also takes the rest (``.metadata``)."""
     out = {}
     for path in sorted(folder.iterdir()):
-        mine = path.name.startswith(f"__{rank}_") or path.name == _residual_file(rank)
-        others = path.name.startswith("__") or path.name.startswith("residuals-rank-")
+        mine = path.name.startswith(f"__{rank}_") or path.name in (_residual_file(rank),
+                                                                     rank_state_file(rank))
+        others = path.name.startswith(("__", "residuals-rank-", "rank-state-"))
         if mine or (rank == 0 and not others):
             out[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     return out
@@ -145,11 +158,16 @@ def _my_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
 
 def save_sharded(ckpt_dir: str | os.PathLike[str], model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None,
-                 extra: dict[str, Any] | None = None) -> Path:
+                 extra: dict[str, Any] | None = None, *,
+                 rank_state: dict[str, Any] | None = None,
+                 fields: dict[str, Any] | None = None) -> Path:
     """Save the model (and optimizer) shards of every rank into ``ckpt_dir``; collective.
 
-    ``extra`` (JSON values: step, data position, ...) is kept in the manifest. An
-    existing folder of the same name is replaced only once the new one is complete.
+    ``extra`` (JSON values: step, data position, ...) is kept in the manifest, and
+    ``fields`` (JSON) at its top level (the loop's step, model config and config, so
+    the folder reads like its other checkpoints); ``rank_state`` (torch.save-able: RNG,
+    data position) is this rank's own file, hashed like the rest. An existing folder of
+    the same name is replaced only once the new one is complete.
     """
     ckpt_dir = Path(ckpt_dir)
     st = _state(model)
@@ -161,12 +179,14 @@ def save_sharded(ckpt_dir: str | os.PathLike[str], model: nn.Module,
     dist.barrier()
     dcp.save(_checkpoint_view(model, *_state_dicts(model, optimizer)), checkpoint_id=tmp)
     _save_residuals(tmp, st, rank)
+    if rank_state is not None:
+        save_atomic(rank_state, tmp / rank_state_file(rank))
     dist.barrier()  # every rank's files are complete before any rank lists the folder
     files: list[dict[str, dict[str, Any]] | None] = [None] * world
     dist.all_gather_object(files, _my_files(tmp, rank))
     if rank == 0:
         listing = {k: v for part in files for k, v in (part or {}).items()}
-        write_manifest(tmp, {"kind": KIND, "world_size": world, "shard": st.config.shard,
+        write_manifest(tmp, {**(fields or {}), "kind": KIND, "world_size": world, "shard": st.config.shard,
                              "ep_size": st.meshes.ep_size, "optimizer": optimizer is not None,
                              "extra": extra or {}, "files": listing})
         _replace_dir(tmp, ckpt_dir)

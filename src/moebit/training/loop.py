@@ -38,7 +38,7 @@ from moebit.comm.outer_groups import OuterGroups
 from moebit.inference.generate import generate_tokens
 from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.interface import CausalLM
-from moebit.models.registry import build_model, family_of
+from moebit.models.registry import family_of
 from moebit.moe import update_router_biases_
 from moebit.optim import OuterOptimizer
 from moebit.runs import runtime, tracking
@@ -60,6 +60,7 @@ from moebit.training.grads import (
 from moebit.training.hooks import Hooks, Loop
 from moebit.training.meter import Meter
 from moebit.training.setup import (
+    build_run_model,
     load_outer,
     lr_at,
     make_optimizer,
@@ -73,6 +74,7 @@ from moebit.training.setup import (
     saved_totals,
     start_record,
 )
+from moebit.training.shard_loop import clip_sharded, memory_fields, shard_state
 from moebit.training.tokenized import corpus_for_model
 
 SAMPLE_PROMPTS = ["def ", "import ", "class ", "    return "]
@@ -98,7 +100,7 @@ def end_record(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer, me
         "nan_skipped": t.nan_skipped, "collectives": t.collectives,
         "bytes_sent_by_kind": t.bytes_sent_by_kind,
         "comm_rounds": getattr(opt, "comm_rounds", None), "outer_syncs": t.outer_syncs,
-        "outer_seconds": t.outer_seconds,
+        "outer_seconds": t.outer_seconds, "shard": cfg.shard, **memory_fields(model, opt),  # type: ignore[arg-type]
     }
 
 
@@ -162,8 +164,7 @@ def start(cfg: TrainConfig, run_dir: Path, info: DistInfo, hooks: Hooks) -> Run:
                      str(Path(str(cfg.init_from)) / TOKENIZER_FILE))
     block = cfg.model_config().block_size
     check_block_size(corpus, block)
-    model = build_model(cfg).to(info.device)  # type: ignore[attr-defined]
-    hooks.init_model(model)
+    model = build_run_model(cfg, hooks.init_model, info.device)  # sharded under shard
     groups = make_outer_groups(cfg)  # inner averages stay inside the worker
     opt = make_optimizer(cfg, param_groups(model, cfg, groups))
     batches = TrainBatches(corpus.train, block, cfg.batch_size, cfg.seed, info.rank)
@@ -215,8 +216,12 @@ def step_once(r: Run, step: int) -> None:
         loss, extra = loss + term[0], term[1]
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    averaged = average_for_step(opt)
-    norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
+    if shard_state(r.model) is not None:  # type: ignore[arg-type]
+        averaged = True  # FSDP's reduce-scatter averaged them, over the right groups
+        norm = clip_sharded(r.model, cfg.grad_clip)  # type: ignore[arg-type]
+    else:
+        averaged = average_for_step(opt)
+        norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
     loss_value = float(out.loss.detach())
     # Every rank reaches the same verdict: a lone rank that stops or skips would leave
     # the others blocked in the next collective until the process-group timeout. With an

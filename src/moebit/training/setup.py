@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,9 @@ import torch
 
 from moebit.comm.collectives import DistInfo, broadcast_params_
 from moebit.comm.outer_groups import OuterGroups, inner_param_groups, outer_groups
+from moebit.models.hf import HFDecoderConfig, build_empty
 from moebit.models.interface import CausalLM, is_expert_param
+from moebit.models.registry import build_model
 from moebit.moe import split_params_for_ep
 from moebit.optim import OuterOptimizer, build_optimizer, build_outer_optimizer
 from moebit.runs import dtype_probe
@@ -22,6 +26,9 @@ from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
 from moebit.training.meter import RunTotals
+from moebit.training.shard_init import load_hf_sharded
+from moebit.training.shard_loop import shard_config, shard_state
+from moebit.training.sharding import shard_model
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -43,7 +50,7 @@ def param_groups(model: CausalLM, cfg: TrainConfig | None = None,
     if groups is not None:
         trainable = [p for p in model.parameters() if p.requires_grad]  # type: ignore[attr-defined]
         return inner_param_groups(trainable, groups, is_expert_param)
-    if model.ep_groups is not None:
+    if model.ep_groups is not None and shard_state(model) is None:  # FSDP averages experts
         return split_params_for_ep(model)  # type: ignore[arg-type]
     return [{"params": [p for p in model.parameters() if p.requires_grad]}]  # type: ignore[attr-defined]
 
@@ -167,6 +174,42 @@ def broadcast_model(model: CausalLM) -> None:
                           expert_src=ep.expert_dp_ranks[0], is_expert=is_expert_param)
 
 
+def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
+                    device: torch.device | str) -> CausalLM:
+    """This rank's model: built or loaded, the hooks' ``init_model``, then sharded under
+    ``shard``. Sharded ``--init-from`` a Hugging Face folder builds without weights,
+    shards, then reads each rank's own rows of the safetensors (``shard_init``)."""
+    mcfg = cfg.model_config()
+    if cfg.shard != "none" and cfg.init_from and isinstance(mcfg, HFDecoderConfig):
+        model = build_empty(mcfg)
+        init_model(model)
+        _shard(cfg, model)
+        load_hf_sharded(model, str(cfg.init_from))
+        return model  # type: ignore[return-value]
+    model = build_model(cfg).to(device)  # type: ignore[attr-defined]
+    init_model(model)
+    shard_if_asked(cfg, model)
+    return model
+
+
+def _shard(cfg: TrainConfig, model: Any) -> None:
+    # FSDP2 warns when a unit returns a view; moebit's blocks and heads return fresh
+    # tensors nobody modifies in place (the sharded gradients equal the replicated ones)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    shard_model(model, shard_config(cfg))
+
+
+def shard_if_asked(cfg: TrainConfig, model: CausalLM) -> bool:
+    """Under ``shard``: rank 0's initial weights everywhere, then FSDP2 over the ranks (in
+    place), before the optimizer is built on the sharded parameters. Returns whether the
+    model is now sharded."""
+    if cfg.shard == "none":
+        return False
+    broadcast_model(model)  # the replicas agree before each rank keeps its shard
+    _shard(cfg, model)
+    return True
+
+
 def open_metrics(run_dir: Path, info: DistInfo, resumed_at: int | None) -> MetricsWriter | None:
     """Rank 0's metrics log, with the records after a resumed checkpoint dropped."""
     if not info.is_main:
@@ -187,7 +230,7 @@ def resume_or_broadcast(run_dir: Path, model: CausalLM, opt: torch.optim.Optimiz
     resumed = None
     if cfg.resume or restarted:
         resumed = ckpt_io.restore(run_dir, model, opt, batches, info, cfg)  # type: ignore[arg-type]
-    if resumed is None:
+    if resumed is None and shard_state(model) is None:  # a sharded model was broadcast before
         broadcast_model(model)
     return resumed
 

@@ -8,6 +8,7 @@ their local shard only (FSDP's padding included), a tensor shared by two paramet
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 from dataclasses import dataclass
@@ -62,3 +63,20 @@ def peak_rss_mb() -> float:
     on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def size_bytes(text: str, what: str) -> int:
+    """Bytes of ``24GiB``, ``1.5GB``, ``512MiB`` or a plain number; else a ValueError
+    naming ``what`` (the flag)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{what}: expected a size such as 24GiB, 1.5GB or 512MiB (got {text!r})")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{what}: must be positive (got {text!r})")
+    return value
