@@ -21,9 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebit.models.hf.deepseek import (
+    MLA_FAMILIES,
+    check_deepseek,
+    deepseek_moe_fields,
+    mla_fields,
+    with_defaults,
+)
 from moebit.models.rope import ROPE_TYPES, RopeSpec, parse_rope
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "minimax_m2")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
+            "minimax_m2") + MLA_FAMILIES
 # dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
 # the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
@@ -41,9 +49,6 @@ _GLM4_MOE_DEFAULTS = {"first_k_dense_replace": 1, "n_shared_experts": 1, "n_grou
 QK_NORMS = ("none", "head", "full")
 # model types with a known reason they do not load (named in the error)
 _UNSUPPORTED = {
-    "deepseek_v3": "its multi-head latent attention (MLA) is not implemented in moebit; "
-                   "its MoE block is (moebit.moe routing options)",
-    "deepseek_v2": "its multi-head latent attention (MLA) is not implemented in moebit",
     "gpt_oss": "its attention sinks, alternating sliding-window layers, router and expert "
                "biases and clamped SwiGLU experts are not implemented in moebit",
 }
@@ -69,8 +74,9 @@ class HFDecoderConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated / GLM's plain one (0: none)
     scoring_func: str = "softmax"  # "sigmoid": GLM-4.5 MoE, MiniMax-M2
     score_correction_bias: bool = False  # the checkpoint's e_score_correction_bias [E]
-    n_group: int = 1  # group-limited top-k (GLM-4.5 MoE)
+    n_group: int = 1  # group-limited top-k (GLM-4.5 MoE, DeepSeek)
     topk_group: int | None = None
+    group_score: str = "top2_sum"  # "max": DeepSeek-V2's group_limited_greedy
     routed_scaling_factor: float = 1.0
     partial_rotary_factor: float = 1.0  # share of head_dim that rotates (GLM, MiniMax)
     rms_norm_eps: float = 1e-6
@@ -87,6 +93,13 @@ class HFDecoderConfig:
     post_norm: bool = False  # OLMo2/FlexOlmo: x + norm(attn(x)), x + norm(mlp(x)); no input norm
     attention_dropout: float = 0.0
     router_aux_loss_coef: float = 0.01
+    # multi-head latent attention (DeepSeek-V3/V2, models/hf/mla.py; kv_lora_rank 0: none);
+    # head_dim is then qk_rope_head_dim, the rotated width
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     ep_size: int = 1
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -115,6 +128,10 @@ class HFDecoderConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def shared_expert_gated(self) -> bool:
@@ -161,10 +178,12 @@ class HFDecoderConfig:
         _check_options(hf, mt)
         if mt == "glm4_moe":  # transformers' defaults, written back so every reader agrees
             hf = {**_GLM4_MOE_DEFAULTS, **hf}
+        hf = with_defaults(hf, mt)
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
-        head_dim = hf.get("head_dim") or hidden // heads
+        mla = mla_fields(hf, mt)  # MLA: one latent for all heads, RoPE over qk_rope_head_dim
+        head_dim = g.need("qk_rope_head_dim") if mla else hf.get("head_dim") or hidden // heads
         rope = parse_rope(hf, head_dim, _DEFAULT_THETA.get(mt, 10000.0), _default_partial(hf, mt))
         if rope.partial_rotary_factor != 1.0 and mt not in _PARTIAL_ROTARY:
             raise ValueError(f"{mt}: partial_rotary_factor = {rope.partial_rotary_factor} is "
@@ -172,7 +191,7 @@ class HFDecoderConfig:
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_kv_heads=heads if mla else hf.get("num_key_value_heads") or heads, **mla,
             head_dim=head_dim,
             intermediate_size=g.need("intermediate_size"), **_moe_fields(g, n_layers),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -212,6 +231,8 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
                     num_experts_per_tok=0, moe_layers=[])
     if mt in _SIGMOID_ROUTED:
         return _sigmoid_moe_fields(g, n_layers)
+    if mt in MLA_FAMILIES:
+        return deepseek_moe_fields(g.hf, mt, n_layers)
     e = g.first("num_experts", "num_local_experts")
     return dict(
         moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe", "flex_olmo")
@@ -259,7 +280,7 @@ def _default_partial(hf: dict[str, Any], mt: str) -> float:
 def _aux_coef(hf: dict[str, Any], mt: str) -> float:
     """transformers' GLM-4.5 MoE trains with no load-balancing loss (its model computes
     none, whatever the config says); the others weigh theirs by router_aux_loss_coef."""
-    return 0.0 if mt == "glm4_moe" else float(hf.get("router_aux_loss_coef", 0.001))
+    return 0.0 if mt in ("glm4_moe",) + MLA_FAMILIES else float(hf.get("router_aux_loss_coef", 0.001))
 
 
 def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -302,6 +323,8 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
                          "(set it to 0)")
     if mt == "minimax_m2":
         _check_minimax(hf)
+    if mt in MLA_FAMILIES:
+        check_deepseek(hf, mt)
 
 
 def _check_minimax(hf: dict[str, Any]) -> None:
