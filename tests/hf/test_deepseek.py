@@ -148,10 +148,13 @@ def _count_absorbed(monkeypatch) -> list[int]:
 
 
 def test_latent_cache_decoding_equals_the_full_forward(made, monkeypatch):
-    """The cache holds kv_lora_rank + qk_rope_head_dim numbers per token and layer; a long
+    """The cache holds kv_lora_rank + qk_rope_head_dim numbers per token and layer (as
+    many bytes as transformers' own cache, measured by the benchmark's row); a long
     prefill chunk (plain form over the cached latents), a short chunk and single steps
     (absorbed form) give the full forward's logits."""
-    family, folder, _ = made
+    from moebit.bench.hf_mla import cache_rows
+
+    family, folder, ref = made
     model = from_pretrained(folder)
     c = model.config
     ids = _ids(2, 40, seed=7)
@@ -162,6 +165,9 @@ def test_latent_cache_decoding_equals_the_full_forward(made, monkeypatch):
         assert cache_bytes_per_token(cache) == c.num_layers * (16 + 8) * 4
         full_kv = c.num_layers * c.num_heads * (8 + 8 + 12) * 4  # an expanded K/V cache
         assert full_kv / cache_bytes_per_token(cache) == pytest.approx(112 / 24)
+        assert cache_rows(ref, model) == {"moebit_kv_cache_bytes_per_token": 3 * 24 * 4,
+                                          "hf_kv_cache_bytes_per_token": 3 * 24 * 4,
+                                          "expanded_kv_bytes_per_token": full_kv}
         calls = _count_absorbed(monkeypatch)
         attn = model.blocks[0].self_attn
         assert not attn._absorbs(30) and attn._absorbs(4) and attn._absorbs(1)
