@@ -22,7 +22,7 @@ same weights. Then, interleaved rep by rep so that a busy host slows both alike:
 
 ``--family deepseek_v3`` replaces the Mixtral by a small DeepSeek-V3 of the family's own
 shape (``hf_mla.py``; the shape flags do not apply) and adds its KV-cache bytes per token
-and batch-1 decode after 1k- and 4k-token prompts.
+and batch-1 decode after 1k- and 4k-token prompts (``--skip context`` leaves them out).
 """
 
 from __future__ import annotations
@@ -175,7 +175,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096],
                     help="deepseek_v3: prompt lengths of the long-context decode rows")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", action="append", default=[], choices=("train", "decode", "load"))
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=("train", "decode", "load", "context"),
+                    help="context: deepseek_v3's KV-cache and long-context decode rows")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -192,10 +194,12 @@ def main(argv: list[str]) -> int:
             res.update(_train_parts(hf, mb, ids, args.reps))
         if "decode" not in args.skip:
             res.update(_decode_all(hf, mb, tmp, args))
-            if mla:
-                with torch.no_grad():
-                    res.update(cache_rows(hf, mb))
-                    res.update(context_rows(hf, mb, args.contexts, args.decode_steps, args.reps))
+        if mla and "context" not in args.skip:
+            hf.eval()
+            mb.eval()
+            with torch.no_grad():
+                res.update(cache_rows(hf, mb))
+                res.update(context_rows(hf, mb, args.contexts, args.decode_steps, args.reps))
         del hf, mb
         if "load" not in args.skip:
             res.update(_loading(Path(tmp)))
