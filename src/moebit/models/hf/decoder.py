@@ -1,5 +1,6 @@
 """The Hugging Face MoE decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 MoE,
-MiniMax-M2) on moebit's parts.
+MiniMax-M2, DeepSeek-V3/V2) on moebit's parts; DeepSeek's multi-head latent attention and
+its compressed latent cache are in ``mla.py``.
 
 Pre-norm blocks: RMSNorm, grouped-query attention with rotary embeddings (and the
 families' q/k norms), RMSNorm, then a SwiGLU MLP or a ``moebit.moe.MoE`` block (dropless,
