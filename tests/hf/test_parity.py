@@ -99,7 +99,6 @@ def test_missing_tensor_and_bad_shape_are_named(tmp_path):
 
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("model_type", "llama4", "llama4"),
-    ("model_type", "deepseek_v3", "MLA"),
     ("hidden_act", "gelu", "hidden_act"),
     ("sliding_window", 64, "sliding_window"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "yarn"),

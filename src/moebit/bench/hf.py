@@ -19,6 +19,11 @@ same weights. Then, interleaved rep by rep so that a busy host slows both alike:
 
     moebit bench hf --experts 16 --reps 3
     moebit bench hf --family gpt_oss --experts 16 --layers 4   # gpt-oss's own shape
+    moebit bench hf --family deepseek_v3     # MLA: + KV-cache bytes, decode at 1k/4k context
+
+``--family deepseek_v3`` replaces the Mixtral by a small DeepSeek-V3 of the family's own
+shape (``hf_mla.py``; the shape flags do not apply) and adds its KV-cache bytes per token
+and batch-1 decode after 1k- and 4k-token prompts (``--skip context`` leaves them out).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 
 from moebit.bench.hf_families import FAMILIES, family_config, spread_parameters
+from moebit.bench.hf_mla import cache_rows, context_rows, deepseek_model
 from moebit.bench.hf_train import bf16_rows, train_rows
 from moebit.inference.generate import generate_tokens
 from moebit.inference.quantize import quantize_experts_
@@ -150,8 +156,9 @@ def _loading(folder: Path) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="moebit bench hf", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", choices=FAMILIES, default="mixtral",
-                    help="the model's family and shape (moebit.bench.hf_families)")
+    ap.add_argument("--family", choices=(*FAMILIES, "deepseek_v3"), default="mixtral",
+                    help="the model's family and shape (moebit.bench.hf_families; "
+                         "deepseek_v3: moebit.bench.hf_mla)")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--d-ffn", type=int, default=1360)
@@ -163,14 +170,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16],
                     help="batch sizes of the decode rows")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096],
+                    help="deepseek_v3: prompt lengths of the long-context decode rows")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", action="append", default=[], choices=("train", "decode", "load"))
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=("train", "decode", "load", "context"),
+                    help="context: deepseek_v3's KV-cache and long-context decode rows")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = {"args": vars(args), "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="moebit-bench-hf-") as tmp:
-        hf = _hf_model(args, Path(tmp))
+        mla = args.family == "deepseek_v3"
+        hf = deepseek_model(Path(tmp)) if mla else _hf_model(args, Path(tmp))
         mb = from_pretrained(tmp).train()
         res["params"] = mb.num_params()
         if "train" not in args.skip:
@@ -180,6 +192,12 @@ def main(argv: list[str]) -> int:
             res.update(_train_parts(hf, mb, ids, args.reps))
         if "decode" not in args.skip:
             res.update(_decode_all(hf, mb, tmp, args))
+        if mla and "context" not in args.skip:
+            hf.eval()
+            mb.eval()
+            with torch.no_grad():
+                res.update(cache_rows(hf, mb))
+                res.update(context_rows(hf, mb, args.contexts, args.decode_steps, args.reps))
         del hf, mb
         if "load" not in args.skip:
             res.update(_loading(Path(tmp)))

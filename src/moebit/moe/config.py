@@ -22,6 +22,7 @@ NOISE_POLICIES = ("none", "jitter", "rsample")
 EXPERT_TYPES = ("gelu_mlp", "swiglu", "geglu")  # gated types: down(act(x W_gate) * (x W_up))
 KERNELS = ("auto", "loop", "padded", "grouped", "threaded")
 SCORING_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")  # a group's score: its best two experts summed, or its best
 
 # DeepSpeed (deepspeed.moe.layer.MoE) and other common spellings -> our field names.
 _ALIASES = {
@@ -107,6 +108,9 @@ class MoEConfig:
         scores the sum of its best two experts, a token picks among the experts of its
         topk_group best groups only. n_group 1 (default) is plain top-k; topk_group None
         keeps every group.
+    group_score: how a group scores: "top2_sum" (its best two experts' selection scores
+        summed: DeepSeek-V3's noaux_tc) or "max" (its best one: DeepSeek-V2's
+        group_limited_greedy).
     routed_scaling_factor: multiplies the final gate weights (DeepSeek-V3 uses 2.5).
     bias_update_speed: aux-loss-free balancing: > 0 adds a per-expert bias
         (``e_score_correction_bias``) to the scores for selection only, moved by this much
@@ -156,6 +160,7 @@ class MoEConfig:
     softmax_before_topk: bool = True
     n_group: int = 1
     topk_group: int | None = None
+    group_score: str = "top2_sum"
     routed_scaling_factor: float = 1.0
     bias_update_speed: float = 0.0
     score_correction_bias: bool = False
@@ -303,6 +308,8 @@ class MoEConfig:
         if e % g:
             raise ValueError(f"n_group = {g} does not divide num_experts = {e}: "
                              "every group must hold the same number of experts")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
         tg = self.topk_group
         if tg is not None:
             if isinstance(tg, bool) or not isinstance(tg, int) or tg < 1:

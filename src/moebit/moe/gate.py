@@ -130,17 +130,20 @@ def router_z_loss(logits_SE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_SE, dim=-1).square().mean()
 
 
-def group_limited_mask(sel_SE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """DeepSeek-V3 group-limited routing: a bool [S, E] mask of the experts a token may pick.
+def group_limited_mask(sel_SE: torch.Tensor, n_group: int, topk_group: int,
+                       group_score: str = "top2_sum") -> torch.Tensor:
+    """DeepSeek group-limited routing: a bool [S, E] mask of the experts a token may pick.
 
     The E experts form n_group consecutive groups; a group scores the sum of its best two
-    selection scores (its best one when groups hold a single expert), and the token keeps
-    the experts of its topk_group best groups. Ties between groups go to the lower index.
+    selection scores (DeepSeek-V3; its best one when groups hold a single expert), or its
+    best score alone (``group_score="max"``, DeepSeek-V2), and the token keeps the experts
+    of its topk_group best groups. Ties between groups go to the lower index.
     """
     s, e = sel_SE.shape
     per_group = e // n_group
     grouped_SGP = sel_SE.view(s, n_group, per_group)
-    group_SG = grouped_SGP.topk(min(2, per_group), dim=-1).values.sum(-1)
+    best = 1 if group_score == "max" else min(2, per_group)
+    group_SG = grouped_SGP.topk(best, dim=-1).values.sum(-1)
     best_SG = group_SG.topk(topk_group, dim=-1).indices
     keep_SG = torch.zeros_like(group_SG, dtype=torch.bool).scatter_(1, best_SG, True)
     return keep_SG.unsqueeze(-1).expand(s, n_group, per_group).reshape(s, e)
@@ -244,7 +247,7 @@ class TopKGate(nn.Module):
         if self.e_score_correction_bias is not None:
             sel_SE = sel_SE + self.e_score_correction_bias
         if c.n_group > 1 and c.groups_kept < c.n_group:
-            keep_SE = group_limited_mask(sel_SE, c.n_group, c.groups_kept)
+            keep_SE = group_limited_mask(sel_SE, c.n_group, c.groups_kept, c.group_score)
             sel_SE = sel_SE.masked_fill(~keep_SE, float("-inf"))
         return torch.topk(sel_SE, self.k, dim=-1).indices
 

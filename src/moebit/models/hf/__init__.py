@@ -5,7 +5,7 @@
     model = from_pretrained(path, ep_size=2, rank=r)           # this rank reads its experts only
     save_pretrained(model, "out/")                             # transformers loads "out/"
 
-Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (docs/huggingface.md). Only local folders
+Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ..., DeepSeek-V3/V2 (docs/huggingface.md). Only local folders
 are read (``config.json`` + safetensors); nothing is downloaded.
 """
 
@@ -114,4 +114,5 @@ _ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
           "flex_olmo": "FlexOlmoForCausalLM", "llama": "LlamaForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
           "glm4_moe": "Glm4MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-          "gpt_oss": "GptOssForCausalLM"}
+          "gpt_oss": "GptOssForCausalLM",
+          "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}

@@ -22,10 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from moebit.models.hf import gpt_oss
+from moebit.models.hf.deepseek import (
+    MLA_FAMILIES,
+    check_deepseek,
+    deepseek_moe_fields,
+    mla_fields,
+    with_defaults,
+)
 from moebit.models.rope import ROPE_TYPES, RopeSpec, parse_rope
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "minimax_m2",
-            "gpt_oss")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe",
+            "minimax_m2", "gpt_oss") + MLA_FAMILIES
 # dense siblings of the MoE families, loaded as the same decoder with no MoE layer (and
 # the sources of ``moebit upcycle HF_DIR``); attention as in their MoE family
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
@@ -41,12 +48,8 @@ _SIGMOID_ROUTED = ("glm4_moe", "minimax_m2")
 _GLM4_MOE_DEFAULTS = {"first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
                       "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True}
 QK_NORMS = ("none", "head", "full")
-# model types with a known reason they do not load (named in the error)
-_UNSUPPORTED = {
-    "deepseek_v3": "its multi-head latent attention (MLA) is not implemented in moebit; "
-                   "its MoE block is (moebit.moe routing options)",
-    "deepseek_v2": "its multi-head latent attention (MLA) is not implemented in moebit",
-}
+# model types with a known reason they do not load (named in the error); none at present
+_UNSUPPORTED: dict[str, str] = {}
 
 
 @dataclass
@@ -69,8 +72,9 @@ class HFDecoderConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated / GLM's plain one (0: none)
     scoring_func: str = "softmax"  # "sigmoid": GLM-4.5 MoE, MiniMax-M2
     score_correction_bias: bool = False  # the checkpoint's e_score_correction_bias [E]
-    n_group: int = 1  # group-limited top-k (GLM-4.5 MoE)
+    n_group: int = 1  # group-limited top-k (GLM-4.5 MoE, DeepSeek)
     topk_group: int | None = None
+    group_score: str = "top2_sum"  # "max": DeepSeek-V2's group_limited_greedy
     routed_scaling_factor: float = 1.0
     partial_rotary_factor: float = 1.0  # share of head_dim that rotates (GLM, MiniMax)
     rms_norm_eps: float = 1e-6
@@ -97,6 +101,13 @@ class HFDecoderConfig:
     swiglu_alpha: float = 1.0  # the experts' clamped SwiGLU (moebit.moe.glu); 1/None/0: plain
     swiglu_limit: float | None = None
     swiglu_up_shift: float = 0.0
+    # multi-head latent attention (DeepSeek-V3/V2, models/hf/mla.py; kv_lora_rank 0: none);
+    # head_dim is then qk_rope_head_dim, the rotated width
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     ep_size: int = 1
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -125,6 +136,10 @@ class HFDecoderConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def shared_expert_gated(self) -> bool:
@@ -175,10 +190,12 @@ class HFDecoderConfig:
         if mt == gpt_oss.MODEL_TYPE:
             hf = gpt_oss.with_defaults(hf)
             gpt_oss.check(hf)
+        hf = with_defaults(hf, mt)
         g = _Getter(hf, mt)
         n_layers, heads = g.need("num_hidden_layers"), g.need("num_attention_heads")
         hidden = g.need("hidden_size")
-        head_dim = hf.get("head_dim") or hidden // heads
+        mla = mla_fields(hf, mt)  # MLA: one latent for all heads, RoPE over qk_rope_head_dim
+        head_dim = g.need("qk_rope_head_dim") if mla else hf.get("head_dim") or hidden // heads
         rope = parse_rope(hf, head_dim, _DEFAULT_THETA.get(mt, 10000.0), _default_partial(hf, mt))
         if rope.partial_rotary_factor != 1.0 and mt not in _PARTIAL_ROTARY:
             raise ValueError(f"{mt}: partial_rotary_factor = {rope.partial_rotary_factor} is "
@@ -186,7 +203,7 @@ class HFDecoderConfig:
         return cls(
             model_type=mt, vocab_size=g.need("vocab_size"), hidden_size=hidden,
             num_layers=n_layers, num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_kv_heads=heads if mla else hf.get("num_key_value_heads") or heads, **mla,
             head_dim=head_dim,
             intermediate_size=g.need("intermediate_size"), **_moe_fields(g, n_layers),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -228,6 +245,8 @@ def _moe_fields(g: _Getter, n_layers: int) -> dict[str, Any]:
         return _sigmoid_moe_fields(g, n_layers)
     if mt == gpt_oss.MODEL_TYPE:
         return gpt_oss.fields(g.hf)
+    if mt in MLA_FAMILIES:
+        return deepseek_moe_fields(g.hf, mt, n_layers)
     e = g.first("num_experts", "num_local_experts")
     return dict(
         moe_intermediate_size=(g.need("intermediate_size") if mt in ("mixtral", "olmoe", "flex_olmo")
@@ -275,7 +294,7 @@ def _default_partial(hf: dict[str, Any], mt: str) -> float:
 def _aux_coef(hf: dict[str, Any], mt: str) -> float:
     """transformers' GLM-4.5 MoE trains with no load-balancing loss (its model computes
     none, whatever the config says); the others weigh theirs by router_aux_loss_coef."""
-    return 0.0 if mt == "glm4_moe" else float(hf.get("router_aux_loss_coef", 0.001))
+    return 0.0 if mt in ("glm4_moe",) + MLA_FAMILIES else float(hf.get("router_aux_loss_coef", 0.001))
 
 
 def _attention_fields(hf: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -318,6 +337,8 @@ def _check_options(hf: dict[str, Any], mt: str) -> None:
                          "(set it to 0)")
     if mt == "minimax_m2":
         _check_minimax(hf)
+    if mt in MLA_FAMILIES:
+        check_deepseek(hf, mt)
 
 
 def _check_minimax(hf: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """The Hugging Face MoE decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 MoE,
-MiniMax-M2, gpt-oss) on moebit's parts; gpt-oss's sinks and sliding windows: ``sinks.py``.
+MiniMax-M2, gpt-oss, DeepSeek-V3/V2) on moebit's parts; gpt-oss's sinks and sliding windows:
+``sinks.py``; DeepSeek's multi-head latent attention and its compressed latent cache: ``mla.py``.
 
 Pre-norm blocks: RMSNorm, grouped-query attention with rotary embeddings (and the
 families' q/k norms), RMSNorm, then a SwiGLU MLP or a ``moebit.moe.MoE`` block (dropless,
@@ -27,25 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebit.models.hf.config import HFDecoderConfig
+from moebit.models.hf.mla import MLAttention, latent_cache
+from moebit.models.hf.norm import RMSNorm
 from moebit.models.hf.sinks import windowed_attention
 from moebit.models.interface import ModelOutput
 from moebit.models.kv_cache import KVCache
 from moebit.models.rope import RotaryEmbedding
 from moebit.moe import GatedMLP, MoE, MoEConfig, expert_parallel_groups, is_expert_param
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 (as transformers does for every family)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +143,7 @@ def moe_config_for(cfg: HFDecoderConfig) -> MoEConfig:
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
         shared_expert_gate=cfg.shared_expert_gated,
         scoring_func=cfg.scoring_func, score_correction_bias=cfg.score_correction_bias,
-        n_group=cfg.n_group, topk_group=cfg.topk_group,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, group_score=cfg.group_score,
         routed_scaling_factor=cfg.routed_scaling_factor,
     )
 
@@ -165,7 +154,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = cfg.post_norm  # OLMo2/FlexOlmo: norms on the sublayers' outputs
         if not self.post_norm:
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = (MLAttention if cfg.is_mla else Attention)(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.post_norm:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -287,6 +276,8 @@ class HFDecoder(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, starts: Sequence[int] | None = None) -> KVCache:
         c, p = self.config, self.wte.weight
+        if c.is_mla:  # the compressed latent, not per-head keys and values
+            return latent_cache(c, batch, max_len, starts, p.dtype, p.device)
         return KVCache.allocate(c.num_layers, batch, c.num_kv_heads, c.head_dim, max_len,
                                 starts, p.dtype, p.device)
 

@@ -42,7 +42,9 @@ _DEFAULT_PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
 # families whose MoE block transformers writes as ``block_sparse_moe`` (it reads both)
 _BLOCK_SPARSE = ("mixtral", "minimax_m2")
 # where the fixed selection bias sits: under the router (GLM) or beside it (MiniMax-M2)
-_BIAS_UNDER_GATE = ("glm4_moe",)
+_BIAS_UNDER_GATE = ("glm4_moe", "deepseek_v3")
+# families whose plain shared experts transformers calls ``shared_experts``
+_SHARED_EXPERTS = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 BIAS = "e_score_correction_bias"
 
 
@@ -137,7 +139,7 @@ def hf_name(name: str, model_type: str = "") -> str:
     if model_type == "gpt_oss":  # GptOssTopKRouter: mlp.router.weight / .bias
         sub = sub.replace("mlp.gate.router.", "mlp.router.")
     sub = sub.replace("mlp.gate.router.", "mlp.gate.")
-    if model_type == "glm4_moe":
+    if model_type in _SHARED_EXPERTS:
         sub = sub.replace("mlp.shared_expert.", "mlp.shared_experts.")
     return f"model.layers.{layer}.{sub}"
 
