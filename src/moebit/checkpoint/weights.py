@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from moebit.checkpoint.files import CheckpointError, load_file, shard_name, verify
 from moebit.moe import is_expert_param
@@ -76,6 +75,8 @@ def load_dcp_weights(d: Path, manifest: dict[str, Any], model: torch.nn.Module, 
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            import torch.distributed.checkpoint as dcp  # only sharded runs: a second to import
+
             dcp.load({"model": want}, checkpoint_id=d, no_dist=True)
     except Exception as e:  # DCP raises its own types (CheckpointException, ...) for a mismatch
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
