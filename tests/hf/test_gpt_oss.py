@@ -307,3 +307,16 @@ def test_train_init_from_ep2_export_generate_serve(tmp_path):
                          json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == want
+
+
+def test_the_server_runs_sinks_and_windows_with_its_two_forward_step(folders):
+    """gpt-oss's attention reads the cache itself (sinks, windows), so the packed ragged
+    step cannot carry it: the engine falls back to its two-forward step; FlexOlmo keeps the
+    ragged step."""
+    from moebit.models.tokenizer import ByteTokenizer
+    from moebit.serve.engine import Engine
+
+    for family, ragged in (("gpt_oss", False), ("flex_olmo", True)):
+        model = from_pretrained(folders[family][0])
+        assert model.supports_ragged is ragged
+        assert Engine(model, ByteTokenizer(), max_batch=2).legacy is (not ragged)

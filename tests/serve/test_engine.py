@@ -44,8 +44,11 @@ def test_slot_cache_matches_full_forward() -> None:
             torch.testing.assert_close(torch.stack(got[i]), ref, atol=1e-5, rtol=1e-4)
 
 
-def _engine_tokens(model, prompts, max_batch, chunk, **params) -> list[str]:
-    eng = Engine(model, ByteTokenizer(), max_batch=max_batch, max_queue=64, prefill_chunk=chunk)
+def _engine_tokens(model, prompts, max_batch, chunk, engine="ragged", **params) -> list[str]:
+    """The texts of ``prompts`` served together; ``chunk``: the prompt tokens per step (the
+    legacy engine's prefill chunk, the ragged engine's whole step budget)."""
+    eng = Engine(model, ByteTokenizer(), max_batch=max_batch, max_queue=64, prefill_chunk=chunk,
+                 max_batch_tokens=max(chunk, max_batch), engine=engine)
     pairs = [request(str(i), p, **params) for i, p in enumerate(prompts)]
     run_engine(eng, [r for r, _ in pairs])
     assert all(c.done.is_set() for _, c in pairs)
@@ -59,9 +62,10 @@ def test_greedy_equals_generate_tokens_dense_and_moe() -> None:
         ref = generate_tokens(model, [list(p) for p in PROMPTS], max_new_tokens=12,
                               temperature=0, batch_size=4).tokens
         want = [bytes(t).decode("utf-8", errors="replace") for t in ref]
-        for max_batch, chunk in ((4, 64), (2, 5), (1, 3)):
-            assert _engine_tokens(model, PROMPTS, max_batch, chunk, max_tokens=12,
-                                  temperature=0) == want, (over, max_batch, chunk)
+        for engine, max_batch, chunk in (("ragged", 4, 64), ("ragged", 2, 5), ("ragged", 1, 3),
+                                         ("legacy", 4, 64), ("legacy", 2, 5)):
+            assert _engine_tokens(model, PROMPTS, max_batch, chunk, engine, max_tokens=12,
+                                  temperature=0) == want, (over, engine, max_batch, chunk)
 
 
 def test_seeded_request_same_text_whatever_the_batch() -> None:

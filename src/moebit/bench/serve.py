@@ -13,7 +13,9 @@ time to first token and inter-token latency (p50/p99), lost requests and 5xx rep
 The baseline is static batching, ``moebit generate --batch C``: the same prompts through
 ``generate_tokens`` in batches of C (one max-new-tokens per batch, as the CLI takes one;
 only the tokens each request asked for count as output). The server and the baselines
-each get one torch thread; they run interleaved, rep by rep, so a loaded host hits all.
+each get ``--threads`` torch threads (default 1); they run interleaved, rep by rep, so a
+loaded host hits all. ``--engine``, ``--max-batch-tokens`` and ``--prefix-cache-tokens``
+go to the server as they are (``--engine legacy``: the engine before ragged batching).
 
 ``--hf`` (a random Mixtral built by transformers) or ``--run HF_DIR``: the server serves a
 Hugging Face folder, and transformers' ``generate`` on the same weights and prompts is a
@@ -86,7 +88,7 @@ def static(model: GPT, jobs: list[tuple[str, int]], batch: int) -> dict[str, Any
 def _start_server(run: Path, max_batch: int, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moebit.cli", "serve", str(run),
-                             "--port", str(port), "--threads", "1", "--max-batch", str(max_batch),
+                             "--port", str(port), "--max-batch", str(max_batch),
                              "--max-queue", "1024", *flags])
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -116,13 +118,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests per measurement, at least 8 per client (bounded: 2000)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the server and "
+                                                           "of each baseline")
+    ap.add_argument("--engine", choices=("ragged", "legacy"), default="ragged",
+                    help="the server's engine (legacy: a decode and a prefill forward per step)")
+    ap.add_argument("--max-batch-tokens", type=int, default=256, help="the server's step budget")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=4096,
+                    help="the server's prefix cache (0: off)")
+    ap.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                    help="with a Hugging Face folder, transformers' generate as a second baseline")
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                     help="streamed replies (TTFT and inter-token latency), or whole ones")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    if not 1 <= args.requests <= 2000 or min(args.clients) < 1:
-        raise ValueError("--requests must lie in 1..2000 and --clients be >= 1")
-    torch.set_num_threads(1)
+    if not 1 <= args.requests <= 2000 or min(args.clients) < 1 or args.threads < 1:
+        raise ValueError("--requests must lie in 1..2000, --clients and --threads be >= 1")
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.run:
             run = Path(args.run)
@@ -131,14 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run = synthetic_run(Path(tmp))
         hf = is_hf_folder(run)
-        baselines = _hf_baselines(run, args.hf_cache) if hf else _moebit_baseline(run)
+        baselines = (_hf_baselines(run, args.hf_cache, args.transformers) if hf
+                     else _moebit_baseline(run))
+        flags = ["--threads", str(args.threads), "--engine", args.engine,
+                 "--max-batch-tokens", str(args.max_batch_tokens),
+                 "--prefix-cache-tokens", str(args.prefix_cache_tokens)]
         # an HF folder: slots as long as the synthetic run's context, not the default 2048
-        proc, url = _start_server(run, args.max_batch, *(["--context", "512"] if hf else []))
+        proc, url = _start_server(run, args.max_batch, *flags,
+                                  *(["--context", "512"] if hf else []))
         try:
             out = _measure(args, url, baselines)
         finally:
             proc.terminate()
             proc.wait(timeout=120)
+    out["server"] = {"engine": args.engine, "max_batch_tokens": args.max_batch_tokens,
+                     "prefix_cache_tokens": args.prefix_cache_tokens, "threads": args.threads}
     out["host"] = {"cpus": os.cpu_count(), "loaded": "shared with other jobs",
                    "model": args.run or (serve_hf.MIXTRAL if args.hf else SYNTHETIC)}
     print(json.dumps(out, indent=2))
@@ -155,18 +173,21 @@ def _moebit_baseline(run: Path) -> dict[str, Baseline]:
     return {"static": lambda jobs, c: static(model, jobs, c)}
 
 
-def _hf_baselines(folder: Path, cache: str) -> dict[str, Baseline]:
-    """Static batching through moebit and transformers' generate, on the folder's weights."""
+def _hf_baselines(folder: Path, cache: str, transformers: bool = True) -> dict[str, Baseline]:
+    """Static batching through moebit and (``transformers``) transformers' generate, on the
+    folder's weights."""
     ours = from_pretrained(folder)
     ours.config.block_size = 512  # the server's --context
-    theirs = serve_hf.load_transformers(folder)
 
     def ids(jobs: list[tuple[str, int]]) -> tuple[list[list[int]], list[int]]:
         return serve_hf.encode_jobs(folder, jobs), [n for _, n in jobs]
 
-    return {"static": lambda jobs, c: serve_hf.static_ids(ours, *ids(jobs), c),
-            "transformers": lambda jobs, c: serve_hf.transformers_generate(
-                theirs, *ids(jobs), c, cache)}
+    out = {"static": lambda jobs, c: serve_hf.static_ids(ours, *ids(jobs), c)}
+    if transformers:
+        theirs = serve_hf.load_transformers(folder)
+        out["transformers"] = lambda jobs, c: serve_hf.transformers_generate(
+            theirs, *ids(jobs), c, cache)
+    return out
 
 
 def _measure(args: argparse.Namespace, url: str, baselines: dict[str, Baseline]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from moebit.inference.quantize import quantize_experts_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.registry import family_of, family_of_folder
+from moebit.serve.engine import ENGINES, check_knobs
 from moebit.serve.server import PortInUse, bind, follow, serve_main
 
 HF_MODEL_TYPES = FAMILIES + DENSE_FAMILIES
@@ -50,8 +51,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", help="the model's id in the API (default: the path given)")
     ap.add_argument("--max-batch", type=int, default=32, help="KV-cache slots: requests decoded together")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; more get 429")
+    ap.add_argument("--max-batch-tokens", type=int, default=256,
+                    help="tokens in one step's forward: a token of each decoding request, "
+                         "then prompt chunks (a long prompt is split over steps)")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=4096,
+                    help="prompt-prefix keys/values kept for reuse, in tokens (LRU; 0: off)")
+    ap.add_argument("--engine", choices=ENGINES, default="ragged",
+                    help="ragged: one packed forward per step; legacy: a decode and a "
+                         "prefill forward per step (--prefill-chunk)")
     ap.add_argument("--prefill-chunk", type=int, default=128,
-                    help="prompt tokens prefilled per step, over all requests")
+                    help="--engine legacy: prompt tokens prefilled per step, over all requests")
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
     ap.add_argument("--ep-size", type=int, default=0, help="expert-parallel ranks (default --nproc)")
     ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none")
@@ -73,9 +82,10 @@ def _hf_checked(path: str) -> bool:
 
 def check(args: argparse.Namespace) -> int:
     """Validate flags and the checkpoint before any rank starts; the ep size to use."""
-    for name in ("max_batch", "max_queue", "prefill_chunk", "nproc"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.nproc < 1:
+        raise ValueError("--nproc must be >= 1")
+    check_knobs(args.max_batch, args.max_queue, args.prefill_chunk, args.max_batch_tokens,
+                args.prefix_cache_tokens, args.engine)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} must lie in 1..65535")
     if args.context < 0:
@@ -135,7 +145,10 @@ def run_rank(args: argparse.Namespace) -> int:
         return serve_main(model, tokenizer, args.model_name or args.checkpoint, args.host,
                           args.port, args.max_batch, args.max_queue, args.prefill_chunk,
                           lockstep=info.world_size > 1, log_level=args.log_level,
-                          eos=eos_token_ids(model.config, hf_dir))
+                          eos=eos_token_ids(model.config, hf_dir),
+                          engine={"max_batch_tokens": args.max_batch_tokens,
+                                  "prefix_cache_tokens": args.prefix_cache_tokens,
+                                  "engine": args.engine})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

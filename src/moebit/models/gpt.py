@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebit.models.interface import ModelOutput
+from moebit.models.interface import ModelOutput, keep_columns, keeps_all
 from moebit.models.kv_cache import KVCache
 from moebit.moe import MLP, MoEConfig, build_moe, expert_parallel_groups, is_expert_param
 
@@ -145,11 +145,7 @@ class CausalSelfAttention(nn.Module):
                 dropout_p=self.dropout if self.training else 0.0,
             )
         else:
-            mask = cache.mask_for(T)
-            keys, values = cache.update(self.layer, k_BHTd, v_BHTd)
-            # no mask: one query (sees every key) or nothing cached before (plain causal)
-            y = F.scaled_dot_product_attention(q_BHTd, keys, values, attn_mask=mask,
-                                               is_causal=mask is None and T > 1)
+            y = cache.attend(self.layer, q_BHTd, k_BHTd, v_BHTd)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -269,9 +265,10 @@ class GPT(nn.Module):
         input_ids: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
     ) -> ModelOutput:
-        """Logits [B, T, V] (the last ``logits_to_keep`` columns when > 0), the loss when
+        """Logits [B, T, V] (the last ``logits_to_keep`` columns when > 0, or the columns a
+        1-D index tensor names: ``interface.keep_columns``), the loss when
         ``targets`` are given, the summed auxiliary loss and each block's ffn output.
 
         ``cache`` (decoding, from ``new_cache``): the T tokens are the next columns of the
@@ -299,12 +296,11 @@ class GPT(nn.Module):
                 ffn_outputs.append(ffn_out)
         if cache is not None:
             cache.advance(T)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        x = keep_columns(x, logits_to_keep)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            if logits_to_keep:
+            if not keeps_all(logits_to_keep):
                 raise ValueError("targets need every column's logits: leave logits_to_keep at 0")
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return ModelOutput(logits, loss, aux, ffn_outputs)

@@ -8,6 +8,14 @@ the members exist.
     out = model(input_ids_BT, targets_BT)   # ModelOutput: logits, loss, aux_loss, ffn_outputs
     cache = model.new_cache(batch, max_len, starts)       # decoding: a models.kv_cache.KVCache
     out = model(next_ids_BT, cache=cache, logits_to_keep=1)
+    out = model(packed_1N, cache=ragged_view, logits_to_keep=index_K)   # serving: see below
+
+``cache`` is whatever the caller made (``new_cache``'s ``KVCache``, serving's slot cache or
+its ragged view, ``serve.ragged.RaggedView``). A model asks it only: ``longest(t)``,
+``positions(t, limit)``, ``attend(layer, q, k, v)`` (writes the new keys/values and
+returns the attention), ``ffn_rows(t)`` (the tokens the feed-forward runs on) and
+``advance(t)``. ``logits_to_keep`` is an int (the last n columns; 0: all) or, as in
+transformers, a 1-D tensor of the column indices to keep (a ragged batch's last tokens).
     model.num_params(), model.num_expert_params()
     is_expert_param(p)                      # the one way to tell an expert parameter
 """
@@ -23,7 +31,7 @@ from torch import nn
 
 from moebit.moe import is_expert_param
 
-__all__ = ["CausalLM", "ModelOutput", "device_of", "is_expert_param"]
+__all__ = ["CausalLM", "ModelOutput", "device_of", "is_expert_param", "keep_columns"]
 
 
 @dataclass
@@ -41,7 +49,7 @@ class CausalLM(Protocol):
     ep_groups: Any  # moebit.moe.EPGroups when experts are sharded over ranks, else None
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: Any = None, logits_to_keep: int = 0) -> ModelOutput: ...
+                cache: Any = None, logits_to_keep: int | torch.Tensor = 0) -> ModelOutput: ...
 
     def new_cache(self, batch: int, max_len: int,
                   starts: Sequence[int] | None = None) -> Any: ...
@@ -49,6 +57,20 @@ class CausalLM(Protocol):
     def num_params(self) -> int: ...
 
     def num_expert_params(self) -> int: ...
+
+
+def keep_columns(x_BTD: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The columns whose logits a forward returns: the last ``logits_to_keep`` (0: all),
+    or the columns a 1-D index tensor names (a packed batch keeps each row's last token,
+    so the LM head, the widest matmul, runs on those rows only)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return x_BTD.index_select(1, logits_to_keep.to(x_BTD.device))
+    return x_BTD[:, -logits_to_keep:] if logits_to_keep else x_BTD
+
+
+def keeps_all(logits_to_keep: int | torch.Tensor) -> bool:
+    """Whether a forward returns every column's logits (the loss needs them)."""
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
 
 
 def device_of(model: nn.Module) -> torch.device:

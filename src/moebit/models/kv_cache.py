@@ -24,6 +24,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+
+
+def sdpa(q_BHTd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor,
+         mask: torch.Tensor | None, causal: bool, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with grouped-query heads when the key/value heads
+    are fewer than the query heads (GQA); every cache's ``attend`` ends here."""
+    return F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask,
+                                          is_causal=causal, scale=scale,
+                                          enable_gqa=q_BHTd.shape[1] != k_BHSd.shape[1])
 
 
 class KVCache:
@@ -93,6 +103,19 @@ class KVCache:
         self.k[layer][:, :, f:f + t] = k_BHTd
         self.v[layer][:, :, f:f + t] = v_BHTd
         return self.k[layer][:, :, :f + t], self.v[layer][:, :, :f + t]
+
+    def attend(self, layer: int, q_BHTd: torch.Tensor, k_BHTd: torch.Tensor,
+               v_BHTd: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """The one call a model's attention makes with a cache: write layer ``layer``'s new
+        keys/values and return the new queries' attention over every key they may see
+        ([B, H, t, Dh]). A cache owns its layout, so it owns the attention too: this one is
+        a padded [B, T] batch (``mask_for``); the ragged view of serving
+        (``serve.ragged.RaggedView``) packs rows of different lengths instead."""
+        t = q_BHTd.shape[2]
+        mask = self.mask_for(t)
+        keys, values = self.update(layer, k_BHTd, v_BHTd)
+        # no mask: one query (sees every key) or nothing cached before (plain causal)
+        return sdpa(q_BHTd, keys, values, mask, mask is None and t > 1, scale)
 
     def advance(self, t: int) -> None:
         """The forward of ``t`` columns is done: the next one writes after them."""

@@ -1,14 +1,21 @@
-"""The continuous-batching engine: a fixed set of KV-cache slots, one forward per phase.
+"""The continuous-batching engine: a fixed set of KV-cache slots, one forward per step.
 
-    engine = Engine(model, ByteTokenizer(), max_batch=8, max_queue=64)
+    engine = Engine(model, ByteTokenizer(), max_batch=8, max_queue=64, max_batch_tokens=256,
+                    prefix_cache_tokens=4096)
     threading.Thread(target=engine.run, daemon=True).start()
     engine.submit(Request("r1", ids, SamplingParams(max_tokens=32), on_event))
 
 Each step (one loop of ``run``):
-  1. waiting requests take free slots (``max_batch`` of them), cancelled ones leave;
-  2. one decode forward of every slot whose prompt is in the cache (one token each);
-  3. one prefill forward of the next prompt chunks, at most ``prefill_chunk`` tokens in
-     all, so a long prompt enters over several steps while the others keep decoding.
+  1. waiting requests take free slots (``max_batch`` of them), cancelled ones leave; with
+     a prefix cache, a joining request's cached prompt prefix is copied into its slot
+     (``serve.prefix_cache``) and only the rest is prefilled;
+  2. one forward of a ragged batch (``serve.ragged``): one token of every slot whose
+     prompt is in the cache, then the next prompt chunks, oldest request first, within
+     ``max_batch_tokens`` tokens in all. Decode rows always go in, so a long prompt
+     enters over several steps while the others keep decoding, and no step waits on a
+     prefill forward of its own.
+``engine="legacy"`` keeps the engine before ragged batching: a decode forward and a
+prefill forward (chunks right-padded, ``prefill_chunk`` tokens per step) per step.
 A request leaves its slot when it ends (an end-of-sequence token or a stop string:
 "stop"; ``max_tokens`` or the context's end: "length"; a cancel); the slot serves the
 next waiting request at the next step.
@@ -40,7 +47,11 @@ from moebit.inference.sampling import SamplingParams, find_stop, sample_rows
 from moebit.models.interface import CausalLM, device_of
 from moebit.models.tokenizer import Tokenizer
 from moebit.serve.metrics import Metrics
+from moebit.serve.prefix_cache import PrefixCache
+from moebit.serve.ragged import RaggedView
 from moebit.serve.slot_cache import SlotKVCache
+
+ENGINES = ("ragged", "legacy")
 
 
 class QueueFull(Exception):
@@ -77,6 +88,7 @@ class Request:
     sent: int = 0  # characters of the text already emitted
     last_t: float = 0.0
     gen: torch.Generator | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # the prefix cache's, per block
 
     @property
     def completion_tokens(self) -> int:
@@ -87,9 +99,15 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, max_batch: int = 8,
                  max_queue: int = 64, prefill_chunk: int = 64,
                  lockstep: Callable[[int], None] | None = None,
-                 metrics: Metrics | None = None, eos: Sequence[int] = ()) -> None:
-        if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
-            raise ValueError("max_batch, max_queue and prefill_chunk must be >= 1")
+                 metrics: Metrics | None = None, eos: Sequence[int] = (), *,
+                 max_batch_tokens: int = 256, prefix_cache_tokens: int = 0,
+                 engine: str = "ragged") -> None:
+        check_knobs(max_batch, max_queue, prefill_chunk, max_batch_tokens,
+                    prefix_cache_tokens, engine)
+        # a model whose attention cannot run the packed step says so (supports_ragged)
+        self.legacy = engine == "legacy" or not getattr(model, "supports_ragged", True)
+        self.max_batch_tokens = max_batch_tokens
+        self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.model, self.tok = model.eval(), tokenizer
         self.block_size = model.config.block_size
         self.vocab_size = int(model.config.vocab_size)
@@ -98,7 +116,10 @@ class Engine:
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.lockstep = lockstep
         self.metrics = metrics or Metrics()
-        self.cache = SlotKVCache.for_model(model, max_batch, scratch=prefill_chunk)
+        self.metrics.prefix_cache = self.prefix
+        # padding columns past a slot's end: only the legacy engine's padded prefill has any
+        self.cache = SlotKVCache.for_model(model, max_batch,
+                                           scratch=prefill_chunk if self.legacy else 0)
         self.slots: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.cv = threading.Condition()
@@ -124,6 +145,8 @@ class Engine:
                              f"of {self.vocab_size}")
         req.params.check()
         gen = req.params.generator()
+        if self.prefix is not None:  # hashed here, on the caller's thread
+            req.block_keys = self.prefix.block_keys(req.prompt)
         with self.cv:
             if self.failed is not None or self.stopping:
                 raise EngineStopped(self.failed or "the server is shutting down")
@@ -181,9 +204,20 @@ class Engine:
             self.on_failure()
 
     def step(self) -> None:
-        self._admit()
+        joined = self._admit()
+        if self.prefix is not None:
+            for r in joined:
+                r.prefilled = self.prefix.load(self.cache, r.slot, r.prompt, r.block_keys)
         decode = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
-        prefill = self._prefill_plan()
+        if not self.legacy:
+            plan = [(r, 1) for r in decode] + self._prefill_plan(self.max_batch_tokens - len(decode))
+            if self.lockstep is not None:
+                self.lockstep(int(bool(plan)))
+            self.steps += 1
+            if plan:
+                self._guarded(self._ragged, plan, [r for r, _ in plan])
+            return
+        prefill = self._prefill_plan(self.prefill_chunk)
         if self.lockstep is not None:
             self.lockstep(int(bool(decode)) + int(bool(prefill)))
         self.steps += 1
@@ -216,7 +250,9 @@ class Engine:
             r.emit(ev)
         except Exception:  # noqa: BLE001 - the client side failed: stop decoding for it
             r.cancelled = True
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Cancelled requests leave, waiting ones take free slots; those that joined."""
+        joined = []
         with self.cv:
             for r in list(self.slots):
                 if r is not None and r.cancelled:
@@ -230,12 +266,14 @@ class Engine:
                     r.slot = i
                     self.slots[i] = r
                     self.cache.reset(i)
+                    joined.append(r)
             self.metrics.queue_depth = len(self.waiting)
             self.metrics.running = sum(s is not None for s in self.slots)
+        return joined
 
-    def _prefill_plan(self) -> list[tuple[Request, int]]:
+    def _prefill_plan(self, budget: int) -> list[tuple[Request, int]]:
         """(request, tokens of its prompt to prefill now), oldest first, within the budget."""
-        plan, budget = [], self.prefill_chunk
+        plan = []
         for r in sorted((r for r in self.slots if r is not None and r.prefilled < len(r.prompt)),
                         key=lambda r: r.arrival):
             n = min(len(r.prompt) - r.prefilled, budget)
@@ -244,6 +282,39 @@ class Engine:
             plan.append((r, n))
             budget -= n
         return plan
+
+    def _ragged(self, plan: list[tuple[Request, int]]) -> None:
+        """One forward of the packed batch: a decode row is its last token, a prefill
+        chunk its next n prompt tokens; logits only where a token is sampled (every decode
+        row, and each chunk that ends its prompt)."""
+        ids: list[int] = []
+        keep, ends = [], []
+        for r, n in plan:
+            if r.prefilled == len(r.prompt):
+                ids.append(r.out[-1])
+            else:
+                ids += r.prompt[r.prefilled:r.prefilled + n]
+            if r.prefilled + n >= len(r.prompt):
+                keep.append(r)
+                ends.append(len(ids) - 1)
+        dev = self.device
+        view = RaggedView(self.cache, [(r.slot, n) for r, n in plan])
+        logits_KV = self.model(torch.tensor([ids], device=dev), cache=view,
+                               logits_to_keep=torch.tensor(ends, dtype=torch.long,
+                                                             device=dev)).logits[0]
+        for r, n in plan:
+            if r.prefilled < len(r.prompt):
+                r.prefilled += n
+                self.metrics.prompt_tokens += n
+                self._remember(r, n)
+        if keep:
+            self._sample_all(keep, logits_KV.float().cpu())
+
+    def _remember(self, r: Request, n: int) -> None:
+        """Offer the prefix cache the prompt blocks this request's last n tokens finished."""
+        pc = self.prefix
+        if pc is not None and r.prefilled // pc.block > (r.prefilled - n) // pc.block:
+            pc.store(self.cache, r.slot, r.prompt, r.block_keys, r.prefilled)
 
     def _decode(self, reqs: list[Request]) -> None:
         """One token for each of ``reqs``, in one forward over slots 0 .. the highest one
@@ -272,6 +343,7 @@ class Engine:
         done = []
         for i, (r, n) in enumerate(plan):
             r.prefilled += n
+            self._remember(r, n)
             if r.prefilled == len(r.prompt):
                 done.append((r, logits_RTV[i, n - 1]))
         self.metrics.prompt_tokens += sum(n for _, n in plan)
@@ -331,3 +403,20 @@ class Engine:
             self.metrics.finished(reason)
             self.metrics.running = sum(s is not None for s in self.slots)
         self.cv.notify()
+
+
+def check_knobs(max_batch: int, max_queue: int, prefill_chunk: int, max_batch_tokens: int,
+                prefix_cache_tokens: int, engine: str) -> None:
+    """The engine's settings, each bad one a one-line ValueError naming its flag."""
+    for name, v in (("max-batch", max_batch), ("max-queue", max_queue),
+                    ("prefill-chunk", prefill_chunk), ("max-batch-tokens", max_batch_tokens)):
+        if v < 1:
+            raise ValueError(f"--{name} must be >= 1, got {v}")
+    if engine not in ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "ragged" and max_batch_tokens < max_batch:
+        raise ValueError(f"--max-batch-tokens {max_batch_tokens} must be >= --max-batch "
+                         f"{max_batch}: every decoding request takes one token of each step's "
+                         "budget, and a joining prompt needs what is left")
+    if prefix_cache_tokens < 0:
+        raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {prefix_cache_tokens}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,6 +52,7 @@ class Metrics:
         self.itl = Histogram()
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps
         self.expert_load: dict[int, torch.Tensor] = {}  # layer -> tokens routed per expert
+        self.prefix_cache: Any = None  # the engine's serve.prefix_cache.PrefixCache, if any
 
     def finished(self, reason: str) -> None:
         with self.lock:
@@ -85,6 +87,25 @@ class Metrics:
             return out
         return counted
 
+    def _prefix_lines(self) -> list[str]:
+        """The prefix cache's counters (none without one): lookups are joining requests,
+        hits those that reused at least one block, tokens the prompt tokens not prefilled."""
+        pc = self.prefix_cache
+        if pc is None:
+            return []
+        return ["# HELP moebit_prefix_cache_lookups_total Joining requests looked up.",
+                "# TYPE moebit_prefix_cache_lookups_total counter",
+                f"moebit_prefix_cache_lookups_total {pc.lookups}",
+                "# HELP moebit_prefix_cache_hits_total Requests that reused a cached prefix.",
+                "# TYPE moebit_prefix_cache_hits_total counter",
+                f"moebit_prefix_cache_hits_total {pc.hits}",
+                "# HELP moebit_prefix_cache_tokens_reused_total Prompt tokens copied, not prefilled.",
+                "# TYPE moebit_prefix_cache_tokens_reused_total counter",
+                f"moebit_prefix_cache_tokens_reused_total {pc.tokens_reused}",
+                "# HELP moebit_prefix_cache_tokens Tokens of keys/values the cache holds.",
+                "# TYPE moebit_prefix_cache_tokens gauge",
+                f"moebit_prefix_cache_tokens {pc.tokens}"]
+
     def render(self) -> str:
         with self.lock:
             lines = ["# HELP moebit_requests_total Requests finished, by reason.",
@@ -105,6 +126,7 @@ class Metrics:
                       "# HELP moebit_inter_token_latency_seconds Time between a request's tokens.",
                       "# TYPE moebit_inter_token_latency_seconds histogram",
                       *self.itl.lines("moebit_inter_token_latency_seconds"),
+                      *self._prefix_lines(),
                       "# HELP moebit_expert_tokens_total Tokens routed to each expert (top-k picks).",
                       "# TYPE moebit_expert_tokens_total counter"]
             for layer, counts in sorted(self.expert_load.items()):

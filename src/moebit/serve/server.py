@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,9 +85,11 @@ def follow(model: CausalLM) -> int:
 def serve_main(model: CausalLM, tokenizer: Tokenizer, name: str, host: str, port: int,
                max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 64,
                lockstep: bool = False, log_level: str = "warning",
-               eos: Sequence[int] = ()) -> int:
+               eos: Sequence[int] = (), engine: dict[str, Any] | None = None) -> int:
     """Rank 0 (or the only process): serve until SIGTERM/SIGINT; the exit code.
-    ``eos``: the token ids that end a request (a Hugging Face folder's eos_token_id)."""
+    ``eos``: the token ids that end a request (a Hugging Face folder's eos_token_id);
+    ``engine``: the Engine's keyword settings (max_batch_tokens, prefix_cache_tokens,
+    engine)."""
     try:
         sock = bind(host, port)
     except PortInUse as e:
@@ -97,7 +100,7 @@ def serve_main(model: CausalLM, tokenizer: Tokenizer, name: str, host: str, port
     metrics = Metrics()
     metrics.watch_experts(model)
     engine = Engine(model, tokenizer, max_batch, max_queue, prefill_chunk,
-                    broadcast_step if lockstep else None, metrics, eos)
+                    broadcast_step if lockstep else None, metrics, eos, **(engine or {}))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, name), host=host,
                                            port=port, log_level=log_level))
 

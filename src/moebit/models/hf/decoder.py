@@ -31,7 +31,7 @@ from moebit.models.hf.config import HFDecoderConfig
 from moebit.models.hf.mla import MLAttention, latent_cache
 from moebit.models.hf.norm import RMSNorm
 from moebit.models.hf.sinks import windowed_attention
-from moebit.models.interface import ModelOutput
+from moebit.models.interface import ModelOutput, keep_columns, keeps_all
 from moebit.models.kv_cache import KVCache
 from moebit.models.rope import RotaryEmbedding
 from moebit.moe import GatedMLP, MoE, MoEConfig, expert_parallel_groups, is_expert_param
@@ -104,10 +104,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop,
                                                enable_gqa=gqa)
         else:
-            mask = cache.mask_for(t)
-            keys, values = cache.update(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                               is_causal=mask is None and t > 1, enable_gqa=gqa)
+            y = cache.attend(self.layer, q, k, v)
         # heads x head_dim named, not inferred: an expert-parallel rank with no prompt of its
         # own runs a zero-row batch, and -1 is ambiguous for 0 elements
         c = self.cfg
@@ -237,12 +234,20 @@ class HFDecoder(nn.Module):
             elif name.endswith(".sinks"):
                 nn.init.normal_(p, std=std)
 
+    @property
+    def supports_ragged(self) -> bool:
+        """Whether every layer's attention goes through ``cache.attend`` (the serving
+        engine's packed ragged step). gpt-oss's sinks and windows and DeepSeek's latent
+        cache read the cache themselves: the engine serves those with its two-forward step."""
+        c = self.config
+        return not (c.attention_sinks or c.sliding_window is not None or c.kv_lora_rank)
+
     def _cos_sin(self, pos_BT: torch.Tensor,
                  seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(pos_BT, seq_len)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, logits_to_keep: int = 0) -> ModelOutput:
+                cache: KVCache | None = None, logits_to_keep: int | torch.Tensor = 0) -> ModelOutput:
         """As ``GPT.forward``: logits, loss (targets), transformers' aux loss and each MoE
         layer's output (``router_logits`` on each; none while decoding with a cache)."""
         b, t = input_ids.shape
@@ -264,12 +269,11 @@ class HFDecoder(nn.Module):
             aux = self.config.router_aux_loss_coef * hf_load_balancing_loss(
                 [o.router_logits for o in outs], self.config.num_experts,
                 self.config.num_experts_per_tok)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        x = keep_columns(x, logits_to_keep)
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
-            if logits_to_keep:
+            if not keeps_all(logits_to_keep):
                 raise ValueError("targets need every column's logits: leave logits_to_keep at 0")
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return ModelOutput(logits, loss, aux, outs)
