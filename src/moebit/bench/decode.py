@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -197,6 +198,9 @@ def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> d
         if peer is not None and b == 1:
             runners.update(peer.runners(prompts[0]))
         res[f"b{b}"] = _rows(time_batch(runners, args.new_tokens, args.reps), res["floors"], b)
+        print(f"{name} batch {b}: " + json.dumps({k: r["ms_per_step"] for k, r in
+                                                 res[f"b{b}"].items()}),
+              file=sys.stderr, flush=True)  # progress: a long run shows each batch's row
     if peer is not None:
         peer.close()
     del hf, models
@@ -224,7 +228,7 @@ def _rows(timed: dict[str, Any], floor: dict[str, dict[str, float]], b: int) -> 
                      ("moebit_int8_all", "llamacpp_Q8_0"), ("moebit_int4", "llamacpp_Q4_0"),
                      ("moebit_int4_all", "llamacpp_Q4_0")):
         if mb in ms and peer in ms:
-            rows[mb][f"tokens_per_s_vs_{peer}"] = round(ms[peer] / ms[mb], 2)
+            rows[mb][f"tokens_per_s_vs_{peer}"] = round(ms[peer] / ms[mb], 4)
     return rows
 
 
