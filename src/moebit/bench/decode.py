@@ -25,7 +25,8 @@ all alike):
   F32 and tokens/s ratios moebit fp32 / F32, int8 / Q8_0, int4 / Q4_0.
 
 Configurations (``--configs``): ``e8`` hidden 1024, 8 layers, 8 experts of width 2048,
-top-2, 16 heads (8 KV heads); ``e64`` hidden 512, 4 layers, 64 experts of width 1360,
+top-2, 16 heads (8 KV heads); ``e64`` hidden 512, 4 layers, 64 experts of width 1344
+(42 x 32: GGML blocks need rows of whole 32s),
 top-2, 8 heads; ``tiny`` (tests) hidden 64, 2 layers, 4 experts.
 """
 
@@ -55,7 +56,7 @@ from moebit.models.hf import from_pretrained
 CONFIGS: dict[str, dict[str, int]] = {
     "e8": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                num_attention_heads=16, num_key_value_heads=8, num_local_experts=8),
-    "e64": dict(hidden_size=512, intermediate_size=1360, num_hidden_layers=4,
+    "e64": dict(hidden_size=512, intermediate_size=1344, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=8, num_local_experts=64),
     "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4),

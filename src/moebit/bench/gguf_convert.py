@@ -123,6 +123,9 @@ def write_gguf(model: Any, path: str | Path, qtype: str = "F32") -> Path:
         for name, t, quantized in _tensors(model):
             data = t.detach().float().contiguous().numpy()
             if quantized and qtype != "F32":
+                if data.shape[-1] % 32:
+                    raise ValueError(f"GGUF {qtype}: {name} has rows of {data.shape[-1]} "
+                                     f"weights, not a multiple of 32 (GGML's block)")
                 w.add_tensor(name, gguf.quants.quantize(data, gq), raw_dtype=gq)
             else:
                 w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
