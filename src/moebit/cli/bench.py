@@ -6,7 +6,8 @@ import importlib
 
 from moebit.cli.args import UsageError
 
-BENCHMARKS = ("comm", "moe", "train", "inference", "freeze", "a2a", "hf", "serve", "kernels")
+BENCHMARKS = ("comm", "moe", "train", "inference", "freeze", "a2a", "hf", "serve", "kernels",
+              "decode")
 
 
 def main(argv: list[str]) -> int:

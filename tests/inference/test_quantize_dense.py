@@ -1,0 +1,75 @@
+"""Dense projections on int8 / int4 (``moebit.inference.quantize_dense``): each
+QuantLinear against the plain dequantized product, every dense Linear replaced but the
+routers, the whole model's logits within a bound of float32, and the bytes the bandwidth
+floor counts for them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moebit.bench import decode_floor as fl
+from moebit.inference import qgemv
+from moebit.inference.quantize import quantize_experts_
+from moebit.inference.quantize_dense import QuantLinear, quantize_dense_
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from moebit.bench.decode import build_folder
+
+    folder = tmp_path_factory.mktemp("tiny")
+    build_folder("tiny", folder)
+    return folder
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_linear_matches_dequantized_product(bits):
+    torch.manual_seed(0)
+    lin = nn.Linear(80, 48)  # 80 inputs: int4 pads to 96 (whole groups of 32)
+    q = QuantLinear(lin, bits=bits)
+    x = torch.randn(3, 5, 80)
+    qw = qgemv.quantize_weight(lin.weight, bits, 0 if bits == 8 else 32)
+    ref = x.reshape(-1, 80) @ qgemv.dequantize_weight(qw).t() + lin.bias
+    y = q(x)
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32
+    torch.testing.assert_close(y.reshape(-1, 48), ref, atol=2e-5, rtol=2e-5)
+    # the quantization error itself: |w - q s| <= s / 2 per weight, so per output <= sum|x| s/2
+    exact = lin(x).reshape(-1, 48)
+    s_max = qw.s.amax()
+    assert ((y.reshape(-1, 48) - exact).abs() <= x.reshape(-1, 80).abs().sum(1, keepdim=True)
+            * s_max / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_dense_model(tiny_folder, bits):
+    from moebit.models.hf import from_pretrained
+
+    ref = from_pretrained(str(tiny_folder)).eval()
+    m = from_pretrained(str(tiny_folder)).eval()
+    quantize_experts_(m, bits=bits)
+    report = quantize_dense_(m, bits=bits)
+    layers = ref.config.num_layers
+    assert report.layers == 4 * layers + 1  # q, k, v, o per layer and the head
+    assert f"int{bits} dense projections" in str(report)
+    assert all(isinstance(b.mlp.gate.router, nn.Linear) for b in m.blocks)  # routers stay
+    assert isinstance(m.lm_head, QuantLinear) and isinstance(m.blocks[0].self_attn.q_proj,
+                                                             QuantLinear)
+    # the floor's "_all" scheme counts exactly these bytes
+    dims = fl.Dims.of_config(ref.config.hf)
+    scheme = fl.SCHEMES[f"moebit_int{bits}_all"]
+    attn = sum(getattr(b.self_attn, p).weight_bytes() for b in m.blocks
+               for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert attn == fl.weight_bytes(dims, scheme)["attention"]
+    assert m.lm_head.weight_bytes() == fl.weight_bytes(dims, scheme)["head"]
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ref(ids).logits, m(ids).logits
+    rel = float((a - b).norm() / a.norm())
+    assert rel < (0.05 if bits == 8 else 0.3), rel
+    assert rel > 0  # something was quantized
+    with pytest.raises(ValueError, match="no dense nn.Linear"):
+        quantize_dense_(nn.Sequential(nn.ReLU()))
