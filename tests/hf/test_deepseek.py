@@ -381,3 +381,28 @@ def test_train_ep2_export_and_serve(tmp_path):
                           json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == tok.decode(want)
+
+
+def test_a_student_keeps_the_teachers_layers_and_loads_in_transformers(made, tmp_path):
+    """Mixture-of-Students for the MLA families: the student folder of 2 kept layers (the
+    dense first layer and the last MoE one) holds the teacher's tensors, and transformers
+    computes what moebit computes from it."""
+    import transformers
+
+    from moebit.distill.students import choose_layers
+    from moebit.distill.teacher import write_student
+
+    family, folder, _ = made
+    teacher = from_pretrained(folder).eval()
+    keep = choose_layers(teacher.config, 2)
+    assert keep == [0, 2]
+    student = write_student(teacher, keep, tmp_path / "student")
+    t_sd = teacher.state_dict()
+    for name, p in student.state_dict().items():
+        src = name.replace("blocks.1.", "blocks.2.")
+        assert torch.equal(p, t_sd[src]), name
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student").eval()
+    assert back.config.num_hidden_layers == 2 and back.config.first_k_dense_replace == 1
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, back(ids).logits, atol=1e-4, rtol=0)

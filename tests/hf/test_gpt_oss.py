@@ -320,3 +320,28 @@ def test_the_server_runs_sinks_and_windows_with_its_two_forward_step(folders):
         model = from_pretrained(folders[family][0])
         assert model.supports_ragged is ragged
         assert Engine(model, ByteTokenizer(), max_batch=2).legacy is (not ragged)
+
+
+def test_a_gpt_oss_student_keeps_its_layers_kinds_and_loads_in_transformers(folders, tmp_path):
+    """Mixture-of-Students: the kept layers keep their sliding/full kind (and their
+    tensors, sinks included), and transformers computes what moebit computes."""
+    import transformers
+
+    from moebit.distill.students import choose_layers
+    from moebit.distill.teacher import write_student
+
+    teacher = from_pretrained(folders["gpt_oss"][0]).eval()
+    keep = choose_layers(teacher.config, 2)
+    student = write_student(teacher, keep, tmp_path / "student")
+    t_sd = teacher.state_dict()
+    for name, p in student.state_dict().items():
+        src = name
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            src = f"blocks.{keep[int(i)]}.{rest}"
+        assert torch.equal(p, t_sd[src]), name
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student").eval()
+    assert back.config.layer_types == [teacher.config.layer_types[i] for i in keep]
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, back(ids).logits, atol=1e-4, rtol=0)
