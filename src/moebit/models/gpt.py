@@ -210,6 +210,8 @@ def gpt_ep_groups(cfg: GPTConfig) -> Any:
 
 
 class GPT(nn.Module):
+    supports_ragged = True  # attention only through cache.attend (models/interface.py)
+
     def __init__(self, cfg: GPTConfig, ep_groups: Any = None) -> None:
         """``ep_groups``: the expert-parallel groups when ``cfg.moe.ep_size > 1`` (made
         here, collectively, when not given; given when building on the meta device)."""

@@ -16,6 +16,10 @@ its ragged view, ``serve.ragged.RaggedView``). A model asks it only: ``longest(t
 returns the attention), ``ffn_rows(t)`` (the tokens the feed-forward runs on) and
 ``advance(t)``. ``logits_to_keep`` is an int (the last n columns; 0: all) or, as in
 transformers, a 1-D tensor of the column indices to keep (a ragged batch's last tokens).
+The packed ragged call is opt-in: a model sets ``supports_ragged = True`` when its
+attention goes only through ``cache.attend`` and it takes an index tensor as
+``logits_to_keep``; the server runs any other model with one decode forward and separate
+prompt forwards over a plain slot cache.
     model.num_params(), model.num_expert_params()
     is_expert_param(p)                      # the one way to tell an expert parameter
 """

@@ -104,8 +104,8 @@ class Engine:
                  engine: str = "ragged") -> None:
         check_knobs(max_batch, max_queue, prefill_chunk, max_batch_tokens,
                     prefix_cache_tokens, engine)
-        # a model whose attention cannot run the packed step says so (supports_ragged)
-        self.legacy = engine == "legacy" or not getattr(model, "supports_ragged", True)
+        # the packed ragged step is opt-in (models/interface.py: supports_ragged)
+        self.legacy = engine == "legacy" or not getattr(model, "supports_ragged", False)
         self.max_batch_tokens = max_batch_tokens
         self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.model, self.tok = model.eval(), tokenizer
