@@ -19,9 +19,8 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from moebit.training.shard_comm import MODES
+from moebit.training.shard_config import MODES, SHARD_MODES
 from moebit.training.shard_memory import size_bytes
-from moebit.training.sharding import SHARD_MODES
 
 
 def parse_shards(text: str) -> list[tuple[str, list[str]]]:

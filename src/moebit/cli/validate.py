@@ -26,8 +26,8 @@ from moebit.optim.outer_params import check_inner
 from moebit.training.config import ConfigError, TrainConfig
 from moebit.training.data import Corpus, check_block_size, load_corpus
 from moebit.training.setup import make_optimizer, model_blocks, outer_keys
+from moebit.training.shard_config import check_layout
 from moebit.training.shard_loop import check_kind, shard_config
-from moebit.training.sharding import check_layout
 from moebit.training.state import check_model_config
 
 RANK_BASE_BYTES = 350 << 20  # a rank's own footprint: interpreter, torch, gloo buffers

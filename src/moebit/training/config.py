@@ -27,7 +27,7 @@ from moebit.models.hf.config import read_config
 from moebit.models.registry import family_of, family_of_folder
 from moebit.moe import MoEConfig
 from moebit.optim import EXACT_OPTIMIZERS, OuterSettings, optimizer_names
-from moebit.training.sharding import DTYPES, MODES, SHARD_MODES, check_composition
+from moebit.training.shard_config import DTYPES, MODES, SHARD_MODES, check_composition
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -26,9 +26,7 @@ from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
 from moebit.training.meter import RunTotals
-from moebit.training.shard_init import load_hf_sharded
 from moebit.training.shard_loop import shard_config, shard_state
-from moebit.training.sharding import shard_model
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -184,6 +182,8 @@ def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
         model = build_empty(mcfg)
         init_model(model)
         _shard(cfg, model)
+        from moebit.training.shard_init import load_hf_sharded
+
         load_hf_sharded(model, str(cfg.init_from))
         return model  # type: ignore[return-value]
     model = build_model(cfg).to(device)  # type: ignore[attr-defined]
@@ -193,6 +193,8 @@ def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
 
 
 def _shard(cfg: TrainConfig, model: Any) -> None:
+    from moebit.training.sharding import shard_model  # FSDP2: only sharded runs import it
+
     # FSDP2 warns when a unit returns a view; moebit's blocks and heads return fresh
     # tensors nobody modifies in place (the sharded gradients equal the replicated ones)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")

@@ -36,9 +36,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from moebit.comm import stats
-
-MODES = ("none", "bf16", "int8")
-DEFAULT_BLOCK = 256
+from moebit.training.shard_config import DEFAULT_BLOCK, MODES
 
 
 def _check_mode(mode: str, what: str) -> str:

@@ -10,20 +10,21 @@ and the end record work the same sharded or not.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moebit.checkpoint.files import CheckpointError, prune
 from moebit.comm.collectives import DistInfo
 from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
-from moebit.training.dcp import load_rank_state, load_sharded, save_sharded
+from moebit.training.shard_config import ShardConfig
 from moebit.training.shard_memory import peak_rss_mb, state_bytes_per_rank
-from moebit.training.sharding import ShardConfig, ShardState
+
+if TYPE_CHECKING:  # FSDP2, DTensor and DCP are imported by sharded runs only
+    from moebit.training.sharding import ShardState
 
 
 def shard_config(cfg: TrainConfig) -> ShardConfig:
@@ -39,6 +40,8 @@ def shard_state(model: nn.Module) -> ShardState | None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -91,6 +94,8 @@ def save_dcp(d: Path, run_dir: Path, step: int, model: nn.Module, opt: torch.opt
     """The loop's checkpoint of a sharded run: DCP shards from every rank (nothing
     gathered), the manifest fields of a replicated checkpoint (step, model config,
     config), and each rank's RNG and data position; older checkpoints are pruned."""
+    from moebit.training.dcp import save_sharded
+
     rank_state = {"rng": torch.get_rng_state(), "batches": batches.state_dict(),
                   "run_state": run_state or {}}
     fields = {"step": step, "optimizer_name": cfg.optimizer, "wall": wall,
@@ -122,6 +127,8 @@ def restore_dcp(d: Path, manifest: dict[str, Any], model: nn.Module,
     """Load a DCP checkpoint into the sharded model and optimizer; returns (step, wall,
     train_time, resharded, run_state). Same topology: RNG and data position come back,
     so the run continues bit for bit; another one reseeds as a replicated resume does."""
+    from moebit.training.dcp import load_rank_state, load_sharded
+
     check_kind(d, manifest, cfg)
     load_sharded(d, model, opt)
     st = shard_state(model)
