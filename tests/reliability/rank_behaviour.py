@@ -6,7 +6,8 @@ fail-all / fail-one: an error on every rank / on rank 1; crash / disk: rank 1 fa
 "model code" (RuntimeError) / on a full disk (OSError); sleep: wait to be stopped; slow:
 steps of ~10-60 s spent in one C call that never returns to the interpreter, as a big matmul
 does; finish: write the run's end record, then a few seconds of wrapping up; ignore: a
-rank that ignores SIGTERM itself.
+rank that ignores SIGTERM itself; stopped-while-recording: an error that receives SIGTERM
+while the rank records it (as the agent stops rank 0 while it writes its peer-gone error).
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ from pathlib import Path
 from moebit.checkpoint import CheckpointError
 
 
+class StoppedWhileDescribed(RuntimeError):
+    """Sends its own process SIGTERM when described, then lets the handler run."""
+
+    def __str__(self) -> str:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the stop thread hands the signal to the main thread meanwhile
+        return "Connection closed by peer"
+
+
 def main(argv: list[str]) -> int:
     what, folder = argv[0], Path(argv[1])
     rank = int(os.environ["RANK"])
@@ -34,6 +46,8 @@ def main(argv: list[str]) -> int:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x32 and 16x32)")
     if what == "disk" and rank == 1:
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "step-2"))
+    if what == "stopped-while-recording":
+        raise StoppedWhileDescribed()
     if what == "slow":
         (folder / f"rank-{rank}.stepping").write_text("")
         while True:  # one C call of seconds per "step": no signal handler runs inside it

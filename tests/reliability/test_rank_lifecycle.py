@@ -3,6 +3,7 @@ per distinct rank error, ranks that die with a kill -9'd launcher, a one-line st
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from moebit.cli.launch import run_ranks
+from moebit.runs.runtime import ENV_ERRORS
 
 TESTS = str(Path(__file__).parents[1])
 MODULE = "reliability.rank_behaviour"
@@ -41,6 +43,22 @@ def test_one_ranks_error_is_named_and_resume_is_not_offered(tmp_path: Path, capf
     assert str(e.value) == (f"training failed: rank 1: CheckpointError: checkpoint file "
                             f"{tmp_path}/rank-00001.pt is corrupted")
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_stop_while_an_error_is_recorded_raises_nothing_more(tmp_path: Path):
+    """The agent stops rank 0 while it records its own (peer-gone) error: the error is
+    recorded and the rank exits 1, without a StopRequested traceback."""
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    env = {**os.environ, "RANK": "0", ENV_ERRORS: str(errors)}
+    proc = subprocess.run([sys.executable, "-m", "moebit.runs.runtime", MODULE,
+                           "stopped-while-recording", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "StopRequested" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    record = json.loads((errors / "rank-00000.json").read_text())
+    assert record["type"] == "StoppedWhileDescribed"
+    assert record["message"] == "Connection closed by peer"
 
 
 def start_launcher(tmp_path: Path) -> subprocess.Popen:

@@ -182,6 +182,9 @@ def run_module(module: str, args: list[str]) -> int:
             return 128 + signum
         if isinstance(e, KeyboardInterrupt):
             return 128 + int(signal.SIGINT)
+        # Leaving with this error: a stop signal now (the agent stopping the ranks after a
+        # peer died) must not raise inside the recording and print a second traceback.
+        _exiting.set()
         record_error(e)
         return 1
 
