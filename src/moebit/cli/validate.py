@@ -19,6 +19,7 @@ from moebit.checkpoint import MANIFEST, CheckpointError, list_complete, read_man
 from moebit.cli.args import UsageError
 from moebit.comm.outer_groups import outer_layout
 from moebit.models.hf.folder import check_folder
+from moebit.models.meta import on_meta
 from moebit.models.registry import family_of
 from moebit.moe import is_expert_param
 from moebit.optim import OuterSettings
@@ -63,7 +64,7 @@ def meta_model(cfg: TrainConfig) -> torch.nn.Module:
     """The run's model on the meta device: shapes only, no storage, no process groups."""
     model = cfg.model_config()
     fam = family_of(model)
-    with torch.device("meta"):
+    with on_meta():
         return fam.build(fam.with_ep_size(model, 1), device="meta")
 
 
@@ -182,7 +183,7 @@ def estimate_rank_bytes(cfg: TrainConfig, world: int) -> int:
     model = cfg.model_config()
     fam = family_of(model)
     pattern = fam.pattern(model)
-    with torch.device("meta"):  # shapes only: no storage, no process groups
+    with on_meta():  # shapes only: no storage, no process groups
         meta = fam.build(fam.with_ep_size(model, 1), device="meta")
     experts = sum(p.numel() for p in meta.parameters() if is_expert_param(p))
     params = sum(p.numel() for p in meta.parameters()) - experts + experts // pattern.ep_size

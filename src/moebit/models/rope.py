@@ -294,12 +294,20 @@ class RotaryEmbedding(nn.Module):
 
     def reset_frequencies(self, device: torch.device | None = None) -> None:
         """The frequencies at construction (dynamic NTK's state forgotten)."""
-        device = device if device is not None else self.inv_freq.device
-        inv, self.attention_scaling = rope_frequencies(self.spec, device=device)
+        device = torch.device(device if device is not None else self.inv_freq.device)
+        # On the meta device only the shapes matter: compute on the CPU (meta arithmetic
+        # runs torch's Python references, which import torch._dynamo) and keep no values.
+        at = torch.device("cpu") if device.type == "meta" else device
+        with torch.device(at):  # also the tensors made without a device (under on_meta)
+            inv, self.attention_scaling = rope_frequencies(self.spec, device=at)
+            long = None
+            if self.spec.rope_type == "longrope":
+                seq = self.spec.original_max_position_embeddings + 1
+                long = rope_frequencies(self.spec, seq, at)[0]
+        inv = inv.to(device)
         self.inv_freq, self.original_inv_freq = inv, inv.clone()
-        if self.spec.rope_type == "longrope":
-            seq = self.spec.original_max_position_embeddings + 1
-            self.long_inv_freq = rope_frequencies(self.spec, seq, device)[0]
+        if long is not None:
+            self.long_inv_freq = long.to(device)
         self.max_seq_len_cached = self.spec.max_position_embeddings
 
     def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moebit.models.meta import on_meta
 from moebit.models.registry import family_of
 from moebit.moe import is_expert_param
 from moebit.plan.spec import SpecError
@@ -81,7 +82,7 @@ def count(cfg: TrainConfig) -> Counts:
     """Parameter counts of the run's model, on the meta device."""
     mcfg = cfg.model_config()
     fam = family_of(mcfg)
-    with torch.device("meta"):
+    with on_meta():
         meta = fam.build(fam.with_ep_size(mcfg, 1), device="meta")
     dense = sum(p.numel() for p in meta.parameters() if not is_expert_param(p))
     experts = sum(p.numel() for p in meta.parameters() if is_expert_param(p))

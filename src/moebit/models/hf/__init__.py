@@ -21,6 +21,7 @@ from moebit.comm import collectives
 from moebit.models.hf.config import FAMILIES, HFDecoderConfig, read_config
 from moebit.models.hf.decoder import HFDecoder
 from moebit.models.hf.weights import LoadReport, load_hf_weights, write_shards
+from moebit.models.meta import on_meta
 from moebit.moe import expert_parallel_groups
 
 __all__ = ["FAMILIES", "HFDecoder", "HFDecoderConfig", "LoadReport", "build_empty",
@@ -47,7 +48,7 @@ def build_empty(cfg: HFDecoderConfig, dtype: torch.dtype = torch.float32) -> HFD
     init of billions of expert weights only to overwrite them), then given real storage.
     The expert-parallel groups are made first, outside the meta device."""
     groups = expert_parallel_groups(cfg.ep_size) if cfg.is_moe and cfg.ep_size > 1 else None
-    with torch.device("meta"):
+    with on_meta():
         model = HFDecoder(cfg, ep_groups=groups)
     model.to_empty(device="cpu")  # the rotary frequencies are recomputed here, in float32
     if cfg.tie_word_embeddings:

@@ -22,12 +22,11 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
 from moebit.models.hf.config import HFDecoderConfig, read_config
 from moebit.models.hf.decoder import HFDecoder
 from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.hf.weights import INDEX, SINGLE, HFFolderError, check_hf_weights
+from moebit.models.meta import on_meta
 
 # weights and their indexes in every format transformers reads: never side files, and what
 # `moebit export --overwrite` clears (a stale model.safetensors beside new shards would
@@ -101,7 +100,7 @@ def check_config(path: str | Path) -> HFDecoderConfig:
 
 def check_weights(cfg: HFDecoderConfig, path: str | Path) -> None:
     """Every tensor the config implies, present with its shape, in readable files."""
-    with torch.device("meta"):  # shapes only: no memory for the weights
+    with on_meta():  # shapes only: no memory for the weights
         model = HFDecoder(cfg.replace(ep_size=1))
     check_hf_weights(model, path)
 
