@@ -1,0 +1,172 @@
+"""DiLoCo and Streaming DiLoCo over FSDP2: 4 gloo ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2).
+
+fsdp shards inside each node and the outer step syncs the ranks holding the same shard
+(rank j of node 0 with rank j of node 1) on their local shards. One rank pool runs every
+training of the module: DiLoCo and Streaming DiLoCo unsharded and sharded (sharding must
+not change the maths: the losses agree), a sharded 1-bit DiLoCo run that saves between
+syncs, and its resume from there (bit-exact). A hook snapshots each rank's local shards
+before every step, so the test sees the outer-group replicas agree right after each sync
+and drift apart between syncs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_outer_loop import cfg_for
+
+from moebit.optim.outer import local_tensor
+from moebit.testing import run_on_ranks
+from moebit.training.config import ConfigError, build
+
+STEPS, H = 12, 4
+DILOCO = {"outer": "diloco", "outer_every": H}
+STREAMING = {"outer": "streaming_diloco", "outer_every": H, "outer_fragments": 2,
+             "outer_delay": 1, "outer_alpha": 0.5, "outer_compress": "bf16"}
+# name: (settings, sharded); the sharded ones have an unsharded twin of the same settings
+RUNS = {"diloco": (DILOCO, False), "diloco_fsdp": (DILOCO, True),
+        "streaming": (STREAMING, False), "streaming_fsdp": (STREAMING, True)}
+
+
+def _snapshots(store: list[torch.Tensor]):  # noqa: ANN202 - a Hooks.before_step
+    def before_step(loop, step: int) -> None:  # noqa: ANN001
+        held = [local_tensor(p).detach().reshape(-1) for p in loop.model.parameters()]
+        store.append(torch.cat(held).clone())
+    return before_step
+
+
+def _train(cfg: dict, run: Path, info) -> tuple[dict, list[torch.Tensor]]:  # noqa: ANN001
+    from moebit.training.hooks import Hooks
+    from moebit.training.loop import train
+
+    seen: list[torch.Tensor] = []
+    end = train(build({**cfg, "run_dir": str(run)}), run, info,
+                Hooks(before_step=_snapshots(seen)))
+    return end, seen
+
+
+def _pool(rank: int, world: int, corpus: str, root: str) -> dict:
+    from moebit.comm.collectives import init_from_env
+
+    info = init_from_env("cpu")
+    base = Path(root)
+    common = cfg_for(Path(corpus), steps=STEPS, log_every=1, grad_clip=1.0)
+    out: dict = {}
+    for name, (settings, sharded) in RUNS.items():
+        cfg = {**common, **settings, **({"shard": "fsdp"} if sharded else {})}
+        out[name] = _train(cfg, base / name, info)
+    onebit = {**common, **DILOCO, "outer_compress": "1bit", "shard": "fsdp", "save_every": 6,
+              "keep_checkpoints": 3, "dropout": 0.1}
+    out["onebit"] = _train(onebit, base / "onebit", info)
+    if rank == 0:  # the same run, resumed from step 6 (between the syncs at 4 and 8)
+        shutil.copytree(base / "onebit", base / "resumed")
+        shutil.rmtree(base / "resumed" / "checkpoints" / f"step-{STEPS:08d}")
+    dist.barrier()
+    out["resumed"] = _train({**onebit, "resume": True}, base / "resumed", info)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("outer_shard")
+    ranks = run_on_ranks(_pool, 4, args=(str(small_corpus), str(root)), timeout=600,
+                         env={"LOCAL_WORLD_SIZE": "2"})
+    return {"root": root, "ranks": ranks}
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(run) if r["kind"] == "train"}
+
+
+@pytest.mark.parametrize("name", ["diloco", "streaming"])
+def test_sharding_inside_the_nodes_does_not_change_the_losses(pool, name: str) -> None:
+    plain, sharded = _losses(pool["root"] / name), _losses(pool["root"] / f"{name}_fsdp")
+    assert sorted(plain) == list(range(1, STEPS + 1)) == sorted(sharded)
+    for step in plain:
+        assert abs(plain[step] - sharded[step]) <= 1e-5, (step, plain[step], sharded[step])
+    assert plain[STEPS] < plain[1]  # it trained
+    syncs = [r for r in _records(pool["root"] / f"{name}_fsdp") if r["kind"] == "outer"]
+    want = [r for r in _records(pool["root"] / name) if r["kind"] == "outer"]
+    assert [r["step"] for r in syncs] == [r["step"] for r in want] and syncs
+    for a, b in zip(syncs, want, strict=True):  # rank 0 sent its shard's half of the norm
+        assert 0 < a["outer_mean_pseudo_grad_norm"] < b["outer_mean_pseudo_grad_norm"]
+
+
+@pytest.mark.parametrize("name", ["diloco_fsdp", "streaming_fsdp", "onebit"])
+def test_outer_group_replicas_hold_identical_shards_after_each_sync(pool, name: str) -> None:
+    """Before 0-based step t, t steps are done: DiLoCo synced at t = 4 and 8; Streaming's
+    fragment 0 (offset 0) exchanged at 4 and 8, and was applied one step later (delay 1)
+    mixed with the local values, so only DiLoCo's replicas agree exactly there."""
+    ranks = pool["ranks"]
+    for j in (0, 1):  # rank j of node 0 and rank j of node 1 hold the same shard
+        a, b = ranks[j][name][1], ranks[j + 2][name][1]
+        assert len(a) == len(b) == STEPS
+        assert torch.equal(a[0], b[0])  # every replica starts from rank 0's weights
+        for t in range(1, STEPS):
+            if name != "streaming_fsdp" and t % H == 0:
+                assert torch.equal(a[t], b[t]), (name, j, t)
+            elif t % H != 0:
+                assert not torch.equal(a[t], b[t]), (name, j, t)  # the nodes drift apart
+        # each rank holds half of the node's model
+        full = ranks[j]["diloco"][1][0].numel()
+        assert abs(a[0].numel() / full - 0.5) < 0.02, (a[0].numel(), full)
+    ends = [r[name][0] for r in ranks]
+    assert all(e["outer_syncs"] == ends[0]["outer_syncs"] > 0 for e in ends)
+
+
+def test_outer_state_per_rank_is_half_of_the_unsharded_one(pool) -> None:
+    start = {n: next(r for r in _records(pool["root"] / n) if r["kind"] == "start")
+             for n in ("diloco", "diloco_fsdp")}
+    ratio = start["diloco_fsdp"]["outer_state_bytes"] / start["diloco"]["outer_state_bytes"]
+    assert abs(ratio - 0.5) < 0.02, ratio
+    end_rep, end_fsdp = pool["ranks"][0]["diloco"][0], pool["ranks"][0]["diloco_fsdp"][0]
+    assert end_fsdp["state_bytes_per_rank"] < 0.6 * end_rep["state_bytes_per_rank"]
+    # outer bytes are counted as unsharded: each rank sends its shards, half as many
+    sent_rep = end_rep["bytes_sent_by_kind"]["outer"]
+    sent_fsdp = end_fsdp["bytes_sent_by_kind"]["outer"]
+    assert 0.45 < sent_fsdp / sent_rep < 0.55, (sent_fsdp, sent_rep)
+
+
+def test_resume_mid_interval_from_the_dcp_checkpoint_is_bit_exact(pool) -> None:
+    root = pool["root"]
+    manifest = json.loads((root / "onebit" / "checkpoints" / "step-00000006" /
+                           "manifest.json").read_text())
+    assert manifest["kind"] == "dcp" and manifest["world_size"] == 4
+    assert any(k.startswith("rank-state-") for k in manifest["files"])
+    resumes = [r for r in _records(root / "resumed") if r["kind"] == "resume"]
+    assert [r["step"] for r in resumes] == [6]
+    straight, resumed = _losses(root / "onebit"), _losses(root / "resumed")
+    assert {s: resumed[s] for s in range(7, STEPS + 1)} == {
+        s: straight[s] for s in range(7, STEPS + 1)}
+    for rank in pool["ranks"]:  # every rank's shards, before every step after the resume
+        a, b = rank["onebit"][1][6:], rank["resumed"][1]
+        assert len(a) == len(b) == STEPS - 6
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert rank["onebit"][0]["outer_syncs"] == rank["resumed"][0]["outer_syncs"]
+    from moebit.inference.loading import load_model  # the final, agreed model
+
+    x, y = load_model(root / "onebit").state_dict(), load_model(root / "resumed").state_dict()
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+REFUSED = [
+    ({"shard": "hsdp"}, "shard: outer=diloco does not compose with shard=hsdp"),
+    ({"shard": "fsdp", "outer_group": "world"},
+     "outer_group: outer_group=world with shard=fsdp makes every rank its own DiLoCo worker"),
+]
+
+
+@pytest.mark.parametrize("settings,said", REFUSED, ids=["hsdp", "world"])
+def test_refused_compositions_are_one_line_naming_the_key(settings: dict, said: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        build({**DILOCO, **settings})
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
