@@ -92,7 +92,7 @@ def make_meshes(cfg: ShardConfig, ep_size: int = 1, device_type: str = "cpu") ->
         dense = init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
     if ep_size == 1:
         return ShardMeshes(cfg.shard, dense, None, None, 1)
-    nodes, node, efsdp = lay.nodes, lay.node, lay.efsdp
+    nodes, efsdp = lay.nodes, lay.efsdp
     ranks = torch.arange(world)
     if cfg.shard == "hsdp":
         full = DeviceMesh(device_type, ranks.view(nodes, efsdp, ep_size),
