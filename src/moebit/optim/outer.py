@@ -360,8 +360,8 @@ class OuterOptimizer:
             self._pending.thread.join()
 
     def state_bytes(self) -> int:
-        """Bytes of outer state: theta_sync and the momentum (2 float32 copies of the model),
-        plus the 1-bit error buffers."""
+        """Bytes of outer state: theta_sync and the momentum (2 float32 copies of what this
+        rank holds: the model, or its shards under FSDP2), plus the 1-bit error buffers."""
         total = sum(2 * 4 * f.sync.numel() for f in self._frags)
         for t in tensors_in(self.exchange.state_dict()):
             total += t.numel() * t.element_size()
