@@ -3,10 +3,10 @@
 fsdp shards inside each node and the outer step syncs the ranks holding the same shard
 (rank j of node 0 with rank j of node 1) on their local shards. One rank pool runs every
 training of the module: DiLoCo and Streaming DiLoCo unsharded and sharded (sharding must
-not change the maths: the losses agree), a sharded 1-bit DiLoCo run that saves between
-syncs, and its resume from there (bit-exact). A hook snapshots each rank's local shards
-before every step, so the test sees the outer-group replicas agree right after each sync
-and drift apart between syncs.
+not change the maths: the losses agree), a sharded 1-bit DiLoCo run and an int8 Streaming
+run that save between syncs, and their resumes from there (bit-exact). A hook snapshots
+each rank's local shards before every step, so the test sees the outer-group replicas
+agree right after each sync and drift apart between syncs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ INT8 = {**DILOCO, "outer_compress": "int8"}
 RUNS = {"diloco": (DILOCO, False), "diloco_fsdp": (DILOCO, True),
         "streaming": (STREAMING, False), "streaming_fsdp": (STREAMING, True),
         "ep2": (EP2, False), "ep2_fsdp": (EP2, True), "int8_fsdp": (INT8, True)}
+# sharded runs saved at step 6 and resumed from there: DiLoCo between the syncs at 4 and 8
+# (1-bit error buffers), Streaming with fragment 1's exchange (started at 6) in flight
+RESUMED = {"onebit": {**DILOCO, "outer_compress": "1bit"},
+           "stream8": {**STREAMING, "outer_compress": "int8"}}
 
 
 def _snapshots(store: list[torch.Tensor]):  # noqa: ANN202 - a Hooks.before_step
@@ -64,14 +68,15 @@ def _pool(rank: int, world: int, corpus: str, root: str) -> dict:
     for name, (settings, sharded) in RUNS.items():
         cfg = {**common, **settings, **({"shard": "fsdp"} if sharded else {})}
         out[name] = _train(cfg, base / name, info)
-    onebit = {**common, **DILOCO, "outer_compress": "1bit", "shard": "fsdp", "save_every": 6,
-              "keep_checkpoints": 3, "dropout": 0.1}
-    out["onebit"] = _train(onebit, base / "onebit", info)
-    if rank == 0:  # the same run, resumed from step 6 (between the syncs at 4 and 8)
-        shutil.copytree(base / "onebit", base / "resumed")
-        shutil.rmtree(base / "resumed" / "checkpoints" / f"step-{STEPS:08d}")
-    dist.barrier()
-    out["resumed"] = _train({**onebit, "resume": True}, base / "resumed", info)
+    saving = {**common, "shard": "fsdp", "save_every": 6, "keep_checkpoints": 3, "dropout": 0.1}
+    for name, settings in RESUMED.items():
+        cfg = {**saving, **settings}
+        out[name] = _train(cfg, base / name, info)
+        if rank == 0:  # the same run, resumed from step 6
+            shutil.copytree(base / name, base / f"{name}_resumed")
+            shutil.rmtree(base / f"{name}_resumed" / "checkpoints" / f"step-{STEPS:08d}")
+        dist.barrier()
+        out[f"{name}_resumed"] = _train({**cfg, "resume": True}, base / f"{name}_resumed", info)
     return out
 
 
@@ -151,23 +156,27 @@ def test_outer_state_per_rank_is_half_of_the_unsharded_one(pool) -> None:
     assert 0.45 < sent_fsdp / sent_rep < 0.55, (sent_fsdp, sent_rep)
 
 
-def test_resume_mid_interval_from_the_dcp_checkpoint_is_bit_exact(pool) -> None:
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_resume_mid_interval_from_the_dcp_checkpoint_is_bit_exact(pool, name: str) -> None:
     root = pool["root"]
-    manifest = json.loads((root / "onebit" / "checkpoints" / "step-00000006" /
-                           "manifest.json").read_text())
+    ckpt = root / name / "checkpoints" / "step-00000006"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["kind"] == "dcp" and manifest["world_size"] == 4
-    assert any(k.startswith("rank-state-") for k in manifest["files"])
-    resumes = [r for r in _records(root / "resumed") if r["kind"] == "resume"]
+    outer = torch.load(ckpt / "rank-state-00002.pt", weights_only=True)["outer"]
+    assert outer["topology"]["outer_ranks"] == [0, 2]
+    assert (outer["state"]["outer"]["pending"] is not None) == (name == "stream8")
+    resumes = [r for r in _records(root / f"{name}_resumed") if r["kind"] == "resume"]
     assert [r["step"] for r in resumes] == [6]
-    straight, resumed = _losses(root / "onebit"), _losses(root / "resumed")
+    straight, resumed = _losses(root / name), _losses(root / f"{name}_resumed")
     assert {s: resumed[s] for s in range(7, STEPS + 1)} == {
         s: straight[s] for s in range(7, STEPS + 1)}
     for rank in pool["ranks"]:  # every rank's shards, before every step after the resume
-        a, b = rank["onebit"][1][6:], rank["resumed"][1]
+        a, b = rank[name][1][6:], rank[f"{name}_resumed"][1]
         assert len(a) == len(b) == STEPS - 6
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-        assert rank["onebit"][0]["outer_syncs"] == rank["resumed"][0]["outer_syncs"]
+        assert rank[name][0]["outer_syncs"] == rank[f"{name}_resumed"][0]["outer_syncs"]
     from moebit.inference.loading import load_model  # the final, agreed model
 
-    x, y = load_model(root / "onebit").state_dict(), load_model(root / "resumed").state_dict()
+    x = load_model(root / name).state_dict()
+    y = load_model(root / f"{name}_resumed").state_dict()
     assert all(torch.equal(x[k], y[k]) for k in x)
