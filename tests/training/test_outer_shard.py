@@ -30,11 +30,13 @@ STREAMING = {"outer": "streaming_diloco", "outer_every": H, "outer_fragments": 2
              "outer_delay": 1, "outer_alpha": 0.5, "outer_compress": "bf16"}
 # experts: 2 ep ranks per node, each holding 2 of the 4 experts (efsdp = 1 inside a node)
 EP2 = {**DILOCO, "num_experts": 4, "num_experts_per_tok": 2, "ep_size": 2}
+MOE = {**EP2, "ep_size": 1}  # every rank holds all experts, fsdp shards them like dense ones
 INT8 = {**DILOCO, "outer_compress": "int8"}
 # name: (settings, sharded); the sharded ones have an unsharded twin of the same settings
 RUNS = {"diloco": (DILOCO, False), "diloco_fsdp": (DILOCO, True),
         "streaming": (STREAMING, False), "streaming_fsdp": (STREAMING, True),
-        "ep2": (EP2, False), "ep2_fsdp": (EP2, True), "int8_fsdp": (INT8, True)}
+        "ep2": (EP2, False), "ep2_fsdp": (EP2, True), "moe": (MOE, False),
+        "moe_fsdp": (MOE, True), "int8_fsdp": (INT8, True)}
 # sharded runs saved at step 6 and resumed from there: DiLoCo between the syncs at 4 and 8
 # (1-bit error buffers), Streaming with fragment 1's exchange (started at 6) in flight
 RESUMED = {"onebit": {**DILOCO, "outer_compress": "1bit"},
@@ -96,7 +98,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _records(run) if r["kind"] == "train"}
 
 
-@pytest.mark.parametrize("name", ["diloco", "streaming", "ep2"])
+@pytest.mark.parametrize("name", ["diloco", "streaming", "ep2", "moe"])
 def test_sharding_inside_the_nodes_does_not_change_the_losses(pool, name: str) -> None:
     plain, sharded = _losses(pool["root"] / name), _losses(pool["root"] / f"{name}_fsdp")
     assert sorted(plain) == list(range(1, STEPS + 1)) == sorted(sharded)
@@ -120,8 +122,8 @@ def test_int8_pseudo_gradients_of_shards_stay_near_the_exact_run(pool) -> None:
     assert any(abs(exact[s] - int8[s]) > 1e-6 for s in exact)  # int8 did round
 
 
-@pytest.mark.parametrize("name", ["diloco_fsdp", "streaming_fsdp", "ep2_fsdp", "int8_fsdp",
-                                  "onebit"])
+@pytest.mark.parametrize("name", ["diloco_fsdp", "streaming_fsdp", "ep2_fsdp", "moe_fsdp",
+                                  "int8_fsdp", "onebit"])
 def test_outer_group_replicas_hold_identical_shards_after_each_sync(pool, name: str) -> None:
     """Before 0-based step t, t steps are done: DiLoCo synced at t = 4 and 8; Streaming's
     fragment 0 (offset 0) exchanged at 4 and 8, and was applied one step later (delay 1)
@@ -136,7 +138,7 @@ def test_outer_group_replicas_hold_identical_shards_after_each_sync(pool, name: 
                 assert torch.equal(a[t], b[t]), (name, j, t)
             elif t % H != 0:
                 assert not torch.equal(a[t], b[t]), (name, j, t)  # the nodes drift apart
-        if name != "ep2_fsdp":  # each rank holds half of the node's model
+        if name not in ("ep2_fsdp", "moe_fsdp"):  # each rank holds half of the node's model
             full = ranks[j]["diloco"][1][0].numel()
             assert abs(a[0].numel() / full - 0.5) < 0.02, (a[0].numel(), full)
     ends = [r[name][0] for r in ranks]
