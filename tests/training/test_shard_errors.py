@@ -22,6 +22,7 @@ from moebit.training.sharding import make_meshes, shard_model
     ({"shard": "none", "rs_compress": "int8"}, "need shard=fsdp or hsdp"),
     ({"shard": "hsdp", "local_world_size": -1}, "local_world_size must be >= 0"),
     ({"shard": "fsdp", "quant_block": 0}, "quant_block must be >= 1"),
+    ({"shard": "hsdp", "node_local": True}, "node_local shards inside each node with shard=fsdp"),
 ])
 def test_bad_shard_settings_are_named(fields: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named) as e:
@@ -73,6 +74,12 @@ def test_sharding_needs_a_process_group_and_decoder_blocks() -> None:
     (ShardConfig("fsdp"), 8, 2, 2, "2 local experts .* do not split over the 4 "
                                    "expert-data-parallel ranks"),
     (ShardConfig("none"), 8, 1, None, "shard is none"),
+    (ShardConfig("fsdp", local_world_size=3, node_local=True), 8, 1, None,
+     "fsdp inside each node: the node size LOCAL_WORLD_SIZE=3 does not divide the world size 8"),
+    (ShardConfig("fsdp", local_world_size=2, node_local=True), 8, 4, None,
+     "fsdp inside each node: ep_size=4 must divide the node size 2"),
+    (ShardConfig("fsdp", local_world_size=4, node_local=True), 8, 2, 3,
+     "3 local experts .* do not split over the 2 expert-data-parallel ranks"),
 ])
 def test_check_layout_names_impossible_layouts_before_any_rank_starts(cfg, world, ep, local,
                                                                       named) -> None:
@@ -85,6 +92,10 @@ def test_check_layout_sizes_hsdp_with_experts() -> None:
     lay = check_layout(ShardConfig("hsdp", local_world_size=4), 16, ep_size=2, local_experts=4)
     assert (lay.nodes, lay.node, lay.efsdp) == (4, 4, 2)
     assert check_layout(ShardConfig("fsdp"), 8, ep_size=2, local_experts=8).efsdp == 4
+    # under an outer optimizer fsdp's mesh is the node: experts split over its ep x efsdp
+    lay = check_layout(ShardConfig("fsdp", local_world_size=4, node_local=True), 8, ep_size=2,
+                       local_experts=4)
+    assert (lay.nodes, lay.node, lay.efsdp) == (2, 4, 2)
 
 
 def test_shard_config_round_trips_flat_keys_and_names_unknown_ones() -> None:

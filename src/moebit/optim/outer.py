@@ -18,6 +18,12 @@ parameters that moved meanwhile: theta = alpha*theta_local + (1-alpha)*theta_syn
 Pseudo-gradients may travel in bf16, int8 (INTELLECT-1) or 1 bit with error feedback
 (``moebit.optim.outer_compress``).
 
+Sharded parameters (FSDP2 inside each node, INTELLECT-1's layout): a DTensor parameter is
+synced through its local shard (``to_local()``), so theta_sync, the momentum and the error
+buffers hold this rank's shards only, 1/node of a replica; the outer group pairs the ranks
+that hold the same shard on every node. Fragments are still cut by whole parameters (their
+global sizes), so every rank of a node syncs its shards of the same blocks at the same step.
+
 Why a separate object rather than a ``torch.optim.Optimizer`` wrapping the inner one: the
 training loop sets ``lr`` in every group of its optimizer each step (the schedule), decides
 how gradients are averaged from the optimizer's attributes (``averages_gradients``,
@@ -80,12 +86,24 @@ class _Fragment:
     sync: torch.Tensor  # float32 flat: theta at the last sync (the outer parameters)
     momentum: torch.Tensor  # float32 flat
 
+    def locals(self) -> list[torch.Tensor]:
+        """The tensors this rank holds: the parameters, or their shards (DTensor)."""
+        return [local_tensor(p) for p in self.params]
+
     def flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        return torch.cat([t.detach().reshape(-1).float() for t in self.locals()])
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in self.params]),
-                                             self.params, strict=True)]
+        held = self.locals()
+        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in held]), held,
+                                             strict=True)]
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p``: a DTensor's local shard (sharing its storage), else ``p``.
+    Duck-typed, so that replicated runs never import DTensor."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
 
 
 @dataclass
@@ -146,7 +164,8 @@ class OuterOptimizer:
             dense = [p for p in params if not is_expert(p)]
             experts = [p for p in params if is_expert(p)]
             frag = _Fragment(dense + experts, (i * self.every) // self.fragments,
-                             sum(p.numel() for p in dense), torch.empty(0), torch.empty(0))
+                             sum(local_tensor(p).numel() for p in dense), torch.empty(0),
+                             torch.empty(0))
             frag.sync = frag.flat()
             frag.momentum = torch.zeros_like(frag.sync)
             self._frags.append(frag)
@@ -260,11 +279,11 @@ class OuterOptimizer:
         buf.mul_(self.momentum).add_(avg)
         update = avg + buf * self.momentum if self.nesterov else buf
         frag.sync.sub_(update * self.lr)
-        for p, new in zip(frag.params, frag.views(frag.sync), strict=True):
+        for p, held, new in zip(frag.params, frag.locals(), frag.views(frag.sync), strict=True):
             if alpha == 0.0:
-                p.copy_(new)
+                held.copy_(new)
             else:
-                p.copy_(torch.lerp(new, p.float(), alpha))
+                held.copy_(torch.lerp(new, held.float(), alpha))
             anchor = self.inner.state.get(p, {}).get("anchor")
             if anchor is not None:  # 0/1 Adam's local steps restart from the new point
                 anchor.copy_(p)
@@ -341,8 +360,8 @@ class OuterOptimizer:
             self._pending.thread.join()
 
     def state_bytes(self) -> int:
-        """Bytes of outer state: theta_sync and the momentum (2 float32 copies of the model),
-        plus the 1-bit error buffers."""
+        """Bytes of outer state: theta_sync and the momentum (2 float32 copies of what this
+        rank holds: the model, or its shards under FSDP2), plus the 1-bit error buffers."""
         total = sum(2 * 4 * f.sync.numel() for f in self._frags)
         for t in tensors_in(self.exchange.state_dict()):
             total += t.numel() * t.element_size()

@@ -296,10 +296,14 @@ def validate_shard(cfg: TrainConfig) -> None:
         check_composition(cfg.optimizer, cfg.shard)
     except ValueError as e:
         raise ConfigError(f"optimizer: {e}") from None
-    if cfg.outer != "none":
-        raise ConfigError(f"outer: outer={cfg.outer} does not compose with shard={cfg.shard} "
-                          f"(theta_sync and the outer momentum are whole replicas per worker); "
-                          f"use shard=none with an outer optimizer")
+    if cfg.outer != "none" and cfg.shard == "hsdp":
+        raise ConfigError(f"shard: outer={cfg.outer} does not compose with shard=hsdp (hsdp "
+                          f"averages gradients across nodes every step, the traffic the outer "
+                          f"optimizer replaces); use shard=fsdp with outer_group=node")
+    if cfg.outer != "none" and cfg.outer_group != "node":
+        raise ConfigError(f"outer_group: outer_group={cfg.outer_group} with shard={cfg.shard} "
+                          f"makes every rank its own DiLoCo worker, leaving one rank to shard "
+                          f"over; use outer_group=node (fsdp inside each node)")
 
 
 OUTER_MODES = ("none", "diloco", "streaming_diloco")

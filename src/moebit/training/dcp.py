@@ -22,6 +22,12 @@ With ``rs_compress="int8"`` each rank also saves its error-feedback residuals
 (``residuals-rank-N.pt``, in the manifest); they are restored on the same topology
 (world, shard mode, ep size), so an int8 run resumes bit-exact too, and restart at
 zero on another one.
+
+Independent node replicas (``node_local``: fsdp under an outer optimizer, the nodes
+drifting apart between syncs): node 0 saves under the usual keys, so export and a plain
+fsdp load read its model, and node n > 0 under ``outer_replica{n}.``; DCP would otherwise
+keep one node's shards of what looks like one replicated tensor. Such a checkpoint resumes
+on the same nodes.
 """
 
 from __future__ import annotations
@@ -87,8 +93,21 @@ def _checkpoint_view(model: nn.Module, msd: dict[str, Any],
     if osd is not None:
         state = {k: ({n: _as_rows(v, st) for n, v in s.items()} if k in experts else s)
                  for k, s in osd["state"].items()}
-        view["optim"] = {"state": state, "param_groups": osd["param_groups"]}
-    return view
+        # process groups (an outer optimizer's inner groups) are the run's, not state
+        groups = [{k: v for k, v in g.items() if k != "process_group"}
+                  for g in osd["param_groups"]]
+        view["optim"] = {"state": state, "param_groups": groups}
+    return {replica_key(st): view} if st.meshes.replica else view
+
+
+def replica_key(st: ShardState) -> str:
+    """The top-level key of a node replica's state (``node_local``, node > 0)."""
+    return f"outer_replica{st.meshes.replica}"
+
+
+def _own(view: dict[str, Any], st: ShardState) -> dict[str, Any]:
+    """This rank's part of ``_checkpoint_view`` (under its replica key for node > 0)."""
+    return view[replica_key(st)] if st.meshes.replica else view
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -248,11 +267,17 @@ def load_sharded(ckpt_dir: str | os.PathLike[str], model: nn.Module,
     # are not tensors were set in the view's containers: copy the experts' ones back.
     set_model_state_dict(model, msd)
     if osd is not None:
+        own = _own(view, _state(model))
         for key in _state(model).expert_names:
-            for name, value in view["optim"]["state"].get(key, {}).items():
+            for name, value in own["optim"]["state"].get(key, {}).items():
                 if not isinstance(value, torch.Tensor):
                     osd["state"][key][name] = value
+        pgs = [g.get("process_group") for g in optimizer.param_groups]
+        osd["param_groups"] = own["optim"]["param_groups"]  # as loaded, no process groups
         set_optimizer_state_dict(model, optimizer, osd)
+        for g, pg in zip(optimizer.param_groups, pgs, strict=True):
+            if pg is not None:
+                g["process_group"] = pg
     _load_residuals(Path(ckpt_dir), _state(model), manifest, dist.get_rank())
     return dict(manifest.get("extra", {}))
 

@@ -25,7 +25,9 @@ class ShardConfig:
     ``param_dtype`` / ``reduce_dtype``: "fp32", "bf16", "fp16" or None (keep the
     parameters' own dtype; reduce in the compute dtype). ``local_world_size`` is the
     node size for hsdp (0: torchrun's LOCAL_WORLD_SIZE). ``quant_block`` is the number of
-    elements sharing one int8 scale.
+    elements sharing one int8 scale. ``node_local``: shard inside each node only and leave
+    the nodes independent replicas (fsdp under an outer optimizer, which syncs them: the
+    dense mesh is the node, not the world).
     """
 
     shard: str = "none"
@@ -36,6 +38,7 @@ class ShardConfig:
     ag_compress: str = "none"
     local_world_size: int = 0
     quant_block: int = DEFAULT_BLOCK
+    node_local: bool = False
 
     def __post_init__(self) -> None:
         if self.shard not in SHARD_MODES:
@@ -53,6 +56,9 @@ class ShardConfig:
             raise ValueError(f"local_world_size must be >= 0, got {self.local_world_size}")
         if self.quant_block < 1:
             raise ValueError(f"quant_block must be >= 1, got {self.quant_block}")
+        if self.node_local and self.shard != "fsdp":
+            raise ValueError(f"node_local shards inside each node with shard=fsdp, got "
+                             f"shard={self.shard!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardConfig:
@@ -86,7 +92,8 @@ def torch_dtype(name: str | None) -> Any:
 @dataclass(frozen=True)
 class Layout:
     """The sizes of a sharded layout: ``nodes`` x ``node`` ranks; experts sharded over
-    ``efsdp`` = node / ep ranks inside each node (fsdp: one node of the whole world)."""
+    ``efsdp`` = node / ep ranks inside each node (fsdp: one node of the whole world, unless
+    ``node_local``: then each node is its own fsdp mesh)."""
 
     world: int
     nodes: int
@@ -112,6 +119,14 @@ def check_layout(cfg: ShardConfig, world: int, ep_size: int = 1,
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"ep_size={ep_size} does not divide the world size {world}")
     node = world
+    if cfg.node_local:
+        node = cfg.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if node < 1 or world % node:
+            raise ValueError(f"fsdp inside each node: the node size LOCAL_WORLD_SIZE={node} "
+                             f"does not divide the world size {world}")
+        if node % ep_size:
+            raise ValueError(f"fsdp inside each node: ep_size={ep_size} must divide the node "
+                             f"size {node} (experts are sharded inside a node)")
     if cfg.shard == "hsdp":
         node = cfg.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if node < 1 or world % node:

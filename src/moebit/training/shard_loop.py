@@ -28,10 +28,13 @@ if TYPE_CHECKING:  # FSDP2, DTensor and DCP are imported by sharded runs only
 
 
 def shard_config(cfg: TrainConfig) -> ShardConfig:
-    """The sharding settings of a run (hsdp's node size comes from torchrun)."""
+    """The sharding settings of a run (hsdp's node size comes from torchrun). Under an
+    outer optimizer fsdp shards inside each node only (``node_local``): the nodes are the
+    DiLoCo workers, which share nothing between syncs."""
     return ShardConfig(shard=cfg.shard, reshard_after_forward=cfg.reshard_after_forward,
                        param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype,
-                       rs_compress=cfg.rs_compress, ag_compress=cfg.ag_compress)
+                       rs_compress=cfg.rs_compress, ag_compress=cfg.ag_compress,
+                       node_local=cfg.shard == "fsdp" and cfg.outer != "none")
 
 
 def shard_state(model: nn.Module) -> ShardState | None:
@@ -90,14 +93,19 @@ def memory_fields(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[s
 
 def save_dcp(d: Path, run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,
              batches: TrainBatches, info: DistInfo, cfg: TrainConfig, *, wall: float,
-             train_time: float, run_state: dict[str, Any] | None) -> Path:
+             train_time: float, run_state: dict[str, Any] | None,
+             outer_state: dict[str, Any] | None = None) -> Path:
     """The loop's checkpoint of a sharded run: DCP shards from every rank (nothing
     gathered), the manifest fields of a replicated checkpoint (step, model config,
-    config), and each rank's RNG and data position; older checkpoints are pruned."""
+    config), and each rank's RNG, data position and outer optimizer state (its shards of
+    theta_sync, momentum and error buffers: a per-rank file of the checkpoint, valid on the
+    same topology); older checkpoints are pruned."""
     from moebit.training.dcp import save_sharded
 
     rank_state = {"rng": torch.get_rng_state(), "batches": batches.state_dict(),
                   "run_state": run_state or {}}
+    if outer_state is not None:
+        rank_state["outer"] = outer_state
     fields = {"step": step, "optimizer_name": cfg.optimizer, "wall": wall,
               "train_time": train_time, "model_config": cfg.model_config().to_dict(),
               "config": cfg.to_dict()}
@@ -123,9 +131,10 @@ def check_kind(d: Path, manifest: dict[str, Any], cfg: TrainConfig) -> None:
 
 def restore_dcp(d: Path, manifest: dict[str, Any], model: nn.Module,
                 opt: torch.optim.Optimizer, batches: TrainBatches, info: DistInfo,
-                cfg: TrainConfig) -> tuple[int, float, float, bool, dict[str, Any]]:
+                cfg: TrainConfig
+                ) -> tuple[int, float, float, bool, dict[str, Any], dict[str, Any] | None]:
     """Load a DCP checkpoint into the sharded model and optimizer; returns (step, wall,
-    train_time, resharded, run_state). Same topology: RNG and data position come back,
+    train_time, resharded, run_state, outer state or None). Same topology: RNG and data position come back,
     so the run continues bit for bit; another one reseeds as a replicated resume does."""
     from moebit.training.dcp import load_rank_state, load_sharded
 
@@ -143,4 +152,4 @@ def restore_dcp(d: Path, manifest: dict[str, Any], model: nn.Module,
     else:
         torch.manual_seed(int(manifest["config"]["seed"]) + int(manifest["step"]) + info.rank)
     return (int(manifest["step"]), float(manifest["wall"]), float(manifest["train_time"]),
-            not same, (mine or {}).get("run_state", {}))
+            not same, (mine or {}).get("run_state", {}), (mine or {}).get("outer"))

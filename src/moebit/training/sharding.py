@@ -12,6 +12,9 @@ Layout (torchtitan's):
 * ``hsdp``: ``[dp_replicate, dp_shard]``: shard inside a node of LOCAL_WORLD_SIZE ranks,
   replicate across nodes (gradients: reduce-scatter inside the node, then an allreduce
   of the shards across nodes).
+* ``fsdp`` with ``node_local`` (an outer optimizer, DiLoCo, syncs the nodes): the mesh
+  ``[outer, dp_shard]`` of which each rank uses its node's ``dp_shard`` row only, so
+  every node shards one independent replica and nothing crosses nodes in a step.
 * experts (expert parallel size ep > 1): rank r = f * ep + e holds the experts of ep rank
   e (moebit's consecutive ep groups); each expert module is its own ``fully_shard`` unit
   on the ``efsdp`` dimension of the mesh ``[(dp_replicate,) efsdp, ep]``, i.e. over the
@@ -59,6 +62,8 @@ class ShardMeshes:
     experts: DeviceMesh | None
     experts_rows: DeviceMesh | None
     ep_size: int
+    replica: int = 0  # node_local: this rank's node, one of ``replicas`` independent replicas
+    replicas: int = 1
 
     @property
     def expert_shard_size(self) -> int:
@@ -78,6 +83,8 @@ def make_meshes(cfg: ShardConfig, ep_size: int = 1, device_type: str = "cpu") ->
         raise ValueError(f"shard={cfg.shard} needs torch.distributed initialised (torchrun)")
     world = dist.get_world_size()
     lay = check_layout(cfg, world, ep_size)
+    if cfg.node_local:
+        return _node_local_meshes(cfg, lay.nodes, lay.node, ep_size, device_type)
     if cfg.shard == "hsdp":
         dense = init_device_mesh(device_type, (lay.nodes, lay.node),
                                  mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -85,7 +92,7 @@ def make_meshes(cfg: ShardConfig, ep_size: int = 1, device_type: str = "cpu") ->
         dense = init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
     if ep_size == 1:
         return ShardMeshes(cfg.shard, dense, None, None, 1)
-    nodes, node, efsdp = lay.nodes, lay.node, lay.efsdp
+    nodes, efsdp = lay.nodes, lay.efsdp
     ranks = torch.arange(world)
     if cfg.shard == "hsdp":
         full = DeviceMesh(device_type, ranks.view(nodes, efsdp, ep_size),
@@ -95,12 +102,37 @@ def make_meshes(cfg: ShardConfig, ep_size: int = 1, device_type: str = "cpu") ->
         full = DeviceMesh(device_type, ranks.view(efsdp, ep_size), mesh_dim_names=("efsdp", "ep"))
         experts = full["efsdp"]
     # rows mesh: for node n, ranks ordered by (ep rank e, efsdp rank f): n*node + f*ep + e
-    rows = ranks.view(nodes, efsdp, ep_size).transpose(1, 2).reshape(nodes, node)
+    rows = _rows(ranks, nodes, efsdp, ep_size)
     if cfg.shard == "hsdp":
         experts_rows = DeviceMesh(device_type, rows, mesh_dim_names=("dp_replicate", "rows"))
     else:
         experts_rows = DeviceMesh(device_type, rows.reshape(world), mesh_dim_names=("rows",))
     return ShardMeshes(cfg.shard, dense, experts, experts_rows, ep_size)
+
+
+def _rows(ranks: torch.Tensor, nodes: int, efsdp: int, ep_size: int) -> torch.Tensor:
+    """[nodes, node]: each node's ranks ordered by (ep rank e, efsdp rank f)."""
+    return ranks.view(nodes, efsdp, ep_size).transpose(1, 2).reshape(nodes, efsdp * ep_size)
+
+
+def _node_local_meshes(cfg: ShardConfig, nodes: int, node: int, ep_size: int,
+                       device_type: str) -> ShardMeshes:
+    """One fsdp layout per node (``node_local``): every rank makes the meshes of all nodes
+    (group creation is collective) and keeps its own node's rows, so the dense and expert
+    meshes, and the checkpoint's expert rows, are those of an fsdp run on one node."""
+    world = nodes * node
+    replica = dist.get_rank() // node
+    dense = init_device_mesh(device_type, (nodes, node),
+                             mesh_dim_names=("outer", "dp_shard"))["dp_shard"]
+    if ep_size == 1:
+        return ShardMeshes(cfg.shard, dense, None, None, 1, replica, nodes)
+    efsdp = node // ep_size
+    ranks = torch.arange(world)
+    full = DeviceMesh(device_type, ranks.view(nodes, efsdp, ep_size),
+                      mesh_dim_names=("outer", "efsdp", "ep"))
+    rows = DeviceMesh(device_type, _rows(ranks, nodes, efsdp, ep_size),
+                      mesh_dim_names=("outer", "rows"))
+    return ShardMeshes(cfg.shard, dense, full["efsdp"], rows["rows"], ep_size, replica, nodes)
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -128,7 +160,11 @@ def _check_experts(model: nn.Module, meshes: ShardMeshes) -> None:
     if meshes.experts is None or groups is None:
         return
     mesh_ranks = tuple(sorted(int(r) for r in meshes.experts.mesh.flatten().tolist()))
-    if mesh_ranks != tuple(sorted(groups.expert_dp_ranks)):
+    want = sorted(groups.expert_dp_ranks)
+    if meshes.replicas > 1:  # node_local: the node's share of the expert-data-parallel group
+        node = {int(r) for r in meshes.dense.mesh.flatten().tolist()}
+        want = [r for r in want if r in node]
+    if mesh_ranks != tuple(want):
         raise ValueError(f"the model's expert-data-parallel ranks {groups.expert_dp_ranks} "
                          f"are not the expert mesh's {mesh_ranks}")
     efsdp = meshes.expert_shard_size

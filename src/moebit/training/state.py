@@ -103,7 +103,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opti
     try:
         if getattr(model, "moebit_shard", None) is not None:  # sharded: DCP, nothing gathered
             return save_dcp(d, run_dir, step, model, opt, batches, info, cfg, wall=wall,
-                            train_time=train_time, run_state=run_state)
+                            train_time=train_time, run_state=run_state, outer_state=outer_state)
         return _save(d, run_dir, step, model, opt, batches, info, cfg, wall, train_time, run_state,
                      outer_state)
     except OSError as e:
@@ -190,9 +190,10 @@ def restore(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     manifest = read_manifest(d)
     check_model_config(manifest, cfg.model_config().to_dict(), d)
     if manifest.get("kind") == "dcp" or cfg.shard != "none":
-        step, wall, train_time, resharded, run_state = restore_dcp(
+        step, wall, train_time, resharded, run_state, outer = restore_dcp(
             d, manifest, model, opt, batches, info, cfg)
-        return Resumed(step, wall, train_time, d, resharded, run_state)
+        check_outer_shard(d, cfg, outer)
+        return Resumed(step, wall, train_time, d, resharded, run_state, outer)
     new_ep = cfg.moe.ep_size if cfg.moe else 1
     if manifest["world_size"] == info.world_size and manifest["ep_size"] == new_ep:
         verify(d, {"files": {shard_name(info.rank): manifest["files"][shard_name(info.rank)]}})
