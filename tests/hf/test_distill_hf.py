@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import copy
 import json
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 from hf_models import make_hf_model, run_moebit, text_corpus, train_tokenizer
 
+from moebit.cli.serve import load_for_serving
 from moebit.distill.students import DistillError, check_keep, choose_layers
 from moebit.distill.teacher import find_teacher, load_teacher, write_student
 from moebit.hf import HFDecoderConfig, from_pretrained, read_config
 from moebit.inference.loading import load_model
 from moebit.models.hf.family import student_hf_dict
+from moebit.models.tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,6 +166,10 @@ def test_teacher_is_a_run_trained_init_from(tmp_path):
                  "--steps", "2", "--nproc", "1", "--samples", "0", "--run-dir", str(teacher_run)],
                 tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    # serving the fine-tuned run reads and writes its folder's token ids, as generate does
+    _, tok = load_for_serving(Namespace(checkpoint=str(teacher_run), ep_size=None, context=None), 0)
+    assert tok.encode("def wrap(text") == HFTokenizer.from_folder(src).encode("def wrap(text")
+    assert tok.encode("def wrap(text") != list(b"def wrap(text")
     run = tmp_path / "run"
     r = run_moebit(["distill", "--teacher", str(teacher_run), "--student-layers", "2", "--steps", "2",
                  "--nproc", "1", "--lr", "1e-4", "--run-dir", str(run)], tmp_path)

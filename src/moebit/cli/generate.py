@@ -32,7 +32,7 @@ from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids, generate_tokens
-from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
+from moebit.inference.loading import init_folder_of, load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
@@ -152,8 +152,8 @@ def _source(path: str) -> tuple[Any, Path, Path | None]:
         return fam.read_folder_config(Path(path)), Path(path), tok if tok.is_file() else None
     d = resolve_checkpoint(path)
     manifest = read_manifest(d)
-    init = (manifest.get("config") or {}).get("init_from")
-    tok = Path(init) / TOKENIZER_FILE if init else None
+    init = init_folder_of(manifest)
+    tok = init / TOKENIZER_FILE if init is not None else None
     return model_config_of(manifest, d), d, tok if tok is not None and tok.is_file() else None
 
 

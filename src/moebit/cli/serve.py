@@ -25,7 +25,7 @@ from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids
-from moebit.inference.loading import load_model, model_config_of, resolve_checkpoint
+from moebit.inference.loading import init_folder_of, load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize import quantize_experts_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
@@ -123,7 +123,9 @@ def load_for_serving(args: argparse.Namespace, rank: int) -> tuple[torch.nn.Modu
         model = load_model(args.checkpoint, ep_size=args.ep_size or 1, rank=rank)
         if args.context:
             model.config.block_size = min(args.context, model.config.block_size)
-        return model, family_of(model.config).tokenizer(None)
+        # a run trained --init-from a folder reads and writes that folder's token ids
+        init = init_folder_of(read_manifest(resolve_checkpoint(args.checkpoint)))
+        return model, family_of(model.config).tokenizer(init)
     model = fam.load_folder(fam.read_folder_config(folder, args.ep_size or 1), folder).eval()
     limit = model.config.max_position_embeddings
     model.config.block_size = min(args.context or HF_CONTEXT, limit)

@@ -42,6 +42,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def init_folder_of(manifest: dict) -> Path | None:
+    """The Hugging Face folder a run was trained ``--init-from`` (its manifest's config),
+    where its tokenizer lives; None for a run that started from scratch."""
+    init = (manifest.get("config") or {}).get("init_from")
+    return Path(init) if init else None
+
+
 def model_config_of(manifest: dict, where: Path) -> Any:
     """The model config saved in a manifest, read by the family it names; another kind of
     checkpoint is named as such."""
