@@ -282,6 +282,18 @@ def _fill(model: nn.Module, t: Target, full: torch.Tensor) -> None:
         dest.copy_(piece)
 
 
+def _check_ties(model: nn.Module, by_storage: dict[int, list[Target]]) -> None:
+    """Parameters that were one tensor in the build (tied embeddings) must still be one:
+    filled apart, they would train apart."""
+    for ts in by_storage.values():
+        params = [t for t in ts if t.is_param and t.ref == ts[0].ref]
+        for t in params[1:]:
+            if model.get_parameter(t.name) is not model.get_parameter(params[0].name):
+                raise MetaBuildError(f"meta build: {params[0].name} and {t.name} were tied in "
+                                     "the build but are two tensors now (a plain to_empty "
+                                     "unties them; tie them again before the replay)")
+
+
 def replay(record: BuildRecord, model: nn.Module, wanted: list[Target]) -> ReplayReport:
     """Re-run the recorded build on CPU and fill ``model`` (sharded, its storage made by
     ``to_empty``) with this rank's pieces of the values the build would have made.
@@ -298,6 +310,7 @@ def replay(record: BuildRecord, model: nn.Module, wanted: list[Target]) -> Repla
             report.filled += 1
         else:
             by_storage.setdefault(t.ref.storage, []).append(t)
+    _check_ties(model, by_storage)
     dies, final = _plan(record.ops)
     for i, op in enumerate(record.ops):
         _run(op, st)

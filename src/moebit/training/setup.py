@@ -26,7 +26,7 @@ from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
 from moebit.training.hooks import is_nothing
 from moebit.training.meter import RunTotals
-from moebit.training.shard_loop import shard_state
+from moebit.training.shard_loop import shard_config, shard_state
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -191,7 +191,7 @@ def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
         load_hf_sharded(model, str(cfg.init_from))
         return model  # type: ignore[return-value]
     if cfg.shard != "none" and not cfg.init_from and is_nothing(init_model):
-        return build_sharded(cfg, device)[0]  # type: ignore[no-any-return]
+        return build_sharded(mcfg, shard_config(cfg), device)[0]  # type: ignore[no-any-return]
     model = build_model(cfg).to(device)  # type: ignore[attr-defined]
     init_model(model)
     shard_if_asked(cfg, model)

@@ -26,27 +26,36 @@ import torch
 from moebit.models.registry import family_of
 from moebit.training.config import TrainConfig
 from moebit.training.meta_init import ReplayReport, record_build, replay, targets
+from moebit.training.shard_config import ShardConfig
 from moebit.training.shard_loop import shard_config
 
 
-def shard(cfg: TrainConfig, model: Any, device_type: str | None = None) -> None:
-    """FSDP2 over the ranks, in place, as ``cfg`` asks; collective."""
-    from moebit.training.sharding import shard_model  # FSDP2: only sharded runs import it
-
+def _quiet_fsdp() -> None:
     # FSDP2 warns when a unit returns a view; moebit's blocks and heads return fresh
     # tensors nobody modifies in place (the sharded gradients equal the replicated ones)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    shard_model(model, shard_config(cfg), device_type=device_type)
 
 
-def build_sharded(cfg: TrainConfig, device: torch.device | str) -> tuple[Any, ReplayReport]:
-    """This rank's sharded model of ``cfg``, freshly initialised exactly as the replicated
-    build (same seed, same RNG state on every rank) would be, and what its replay held.
-    Leaves torch's RNG where the replicated build leaves it; collective."""
-    mcfg = cfg.model_config()
+def shard(cfg: TrainConfig, model: Any) -> None:
+    """FSDP2 over the ranks, in place, as ``cfg`` asks; collective."""
+    from moebit.training.sharding import shard_model  # FSDP2: only sharded runs import it
+
+    _quiet_fsdp()
+    shard_model(model, shard_config(cfg))
+
+
+def build_sharded(mcfg: Any, scfg: ShardConfig,
+                  device: torch.device | str = "cpu") -> tuple[Any, ReplayReport]:
+    """This rank's model of the model config ``mcfg`` (any family) sharded as ``scfg``
+    says, freshly initialised exactly as ``family.build(mcfg)`` would be from the same RNG
+    state (which every rank must share), and what its replay held. Leaves torch's RNG
+    where that build leaves it; collective."""
+    from moebit.training.sharding import shard_model  # FSDP2: only sharded runs import it
+
     fam = family_of(mcfg)
     model, record = record_build(lambda: fam.build(mcfg, device="meta"))
     wanted = targets(model, record)
-    shard(cfg, model, torch.device(device).type)
+    _quiet_fsdp()
+    shard_model(model, scfg, device_type=torch.device(device).type)
     model.to_empty(device=device)
     return model, replay(record, model, wanted)
