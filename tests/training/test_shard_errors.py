@@ -9,14 +9,8 @@ import torch
 from shard_toys import tiny_gpt
 
 from moebit.optim.build import optimizer_names
-from moebit.training.sharding import (
-    COMPOSES,
-    ShardConfig,
-    check_composition,
-    check_layout,
-    make_meshes,
-    shard_model,
-)
+from moebit.training.shard_config import COMPOSES, ShardConfig, check_composition, check_layout
+from moebit.training.sharding import make_meshes, shard_model
 
 
 @pytest.mark.parametrize(("fields", "named"), [
