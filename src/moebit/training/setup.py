@@ -26,7 +26,7 @@ from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
 from moebit.training.hooks import is_nothing
 from moebit.training.meter import RunTotals
-from moebit.training.shard_loop import shard_config, shard_state
+from moebit.training.shard_loop import shard_state
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -175,23 +175,27 @@ def broadcast_model(model: CausalLM) -> None:
 def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
                     device: torch.device | str) -> CausalLM:
     """This rank's model: built or loaded, the hooks' ``init_model``, then sharded under
-    ``shard``. Sharded ``--init-from`` a Hugging Face folder builds without weights,
-    shards, then reads each rank's own rows of the safetensors (``shard_init``); a fresh
-    sharded model is built on the meta device and each rank initialises only its shards
-    (``shard_build``), unless ``init_model`` needs the whole model."""
-    from moebit.training.shard_build import build_sharded, shard  # FSDP2: sharded runs only
+    ``shard``. Sharded, no rank holds the whole model (``shard_build.build_sharded_run``:
+    a fresh model is built on the meta device and each rank initialises only its shards;
+    ``--init-from`` a Hugging Face folder reads each rank's own rows). A hook
+    ``init_model`` needs the whole model: it is then built whole (a folder's model
+    empty, read after sharding), and sharded after the hook."""
+    if cfg.shard != "none" and is_nothing(init_model):
+        from moebit.training.shard_build import build_sharded_run
 
+        sharded = build_sharded_run(cfg, device)
+        if sharded is not None:
+            return sharded  # type: ignore[no-any-return]
     mcfg = cfg.model_config()
     if cfg.shard != "none" and cfg.init_from and isinstance(mcfg, HFDecoderConfig):
+        from moebit.training.shard_build import shard
+        from moebit.training.shard_init import load_hf_sharded
+
         model = build_empty(mcfg)
         init_model(model)
         shard(cfg, model)
-        from moebit.training.shard_init import load_hf_sharded
-
         load_hf_sharded(model, str(cfg.init_from))
         return model  # type: ignore[return-value]
-    if cfg.shard != "none" and not cfg.init_from and is_nothing(init_model):
-        return build_sharded(mcfg, shard_config(cfg), device)[0]  # type: ignore[no-any-return]
     model = build_model(cfg).to(device)  # type: ignore[attr-defined]
     init_model(model)
     shard_if_asked(cfg, model)
