@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from moebit.bench.train import _jobs, parse
-from moebit.bench.train_shard import format_shard_table, parse_shards, run_capped, shard_fields
+from moebit.bench.train_shard import (
+    CAPPED_MALLOC,
+    capped_env,
+    format_shard_table,
+    parse_shards,
+    run_capped,
+    shard_fields,
+)
 
 
 def test_each_shards_entry_is_a_row_with_its_train_flags(tmp_path: Path) -> None:
@@ -41,6 +48,17 @@ def test_a_command_above_the_cap_fails_with_its_error_and_one_below_runs() -> No
     err = run_capped(grab, 1 << 30, timeout=60)
     assert err is not None and "MemoryError" in err
     assert run_capped([sys.executable, "-c", "x = bytearray(1 << 20)"], 1 << 30, timeout=60) is None
+
+
+def test_a_capped_command_maps_only_live_memory_unless_told_otherwise(monkeypatch) -> None:
+    for key in CAPPED_MALLOC:
+        monkeypatch.delenv(key, raising=False)
+    check = [sys.executable, "-c", "import os, sys; sys.exit(0 if (os.environ['MALLOC_ARENA_MAX'],"
+             " os.environ['MALLOC_MMAP_THRESHOLD_']) == ('2', '131072') else 3)"]
+    assert run_capped(check, 1 << 30, timeout=60) is None
+    assert capped_env({"MALLOC_ARENA_MAX": "8"})["MALLOC_ARENA_MAX"] == "8"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert run_capped(check, 1 << 30, timeout=60) == "exit 3: (no output)"
 
 
 def test_the_table_compares_memory_bytes_and_loss_with_the_first_row() -> None:

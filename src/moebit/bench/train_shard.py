@@ -10,10 +10,18 @@ training loss, each against the first row.
 ``--rank-memory-cap 2GiB`` sets RLIMIT_AS (address space) on the training command; every
 process it starts (torchrun's agent, each rank) inherits the cap. A row that does not
 fit fails: it is recorded with its error line instead of stopping the benchmark.
+
+The capped command runs with glibc's allocator told to map only what is live
+(``CAPPED_MALLOC``, unless the environment already sets those keys): by default each
+thread's arena reserves 64 MiB of address space, and freed buffers up to 32 MiB (FSDP's
+per-block all-gather and reduce-scatter buffers) stay in the heap once the dynamic mmap
+threshold has risen past them, so a sharded rank's address space (and resident set)
+climbed to the replicated rank's whatever it held live.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 from collections.abc import Callable
@@ -53,11 +61,21 @@ def _limit_as(cap: int) -> Callable[[], None]:
     return apply
 
 
+# glibc: two arenas, and every allocation from 128 KiB up its own mapping, unmapped when freed
+CAPPED_MALLOC = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def capped_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with ``CAPPED_MALLOC`` for keys it does not set."""
+    base = dict(os.environ if env is None else env)
+    return {**CAPPED_MALLOC, **base}
+
+
 def run_capped(argv: list[str], cap: int, timeout: float) -> str | None:
     """Run ``argv`` under an address-space cap; None when it succeeded, else its last
     error line (the rank's MemoryError / the launcher's one-line summary)."""
     proc = subprocess.run(argv, timeout=timeout, preexec_fn=_limit_as(cap),
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=capped_env())
     if proc.returncode == 0:
         return None
     lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]

@@ -47,6 +47,11 @@ def _nothing(*args: Any) -> None:
     return None
 
 
+def is_nothing(fn: Callable[..., Any]) -> bool:
+    """Whether a hook is the default no-op (``build_run_model``: the built model is kept)."""
+    return fn is _nothing
+
+
 def _no_fields(*args: Any) -> Record:
     return {}
 

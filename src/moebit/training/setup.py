@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ from moebit.runs.metrics import MetricsWriter
 from moebit.training import state as ckpt_io
 from moebit.training.config import TrainConfig
 from moebit.training.data import TrainBatches
+from moebit.training.hooks import is_nothing
 from moebit.training.meter import RunTotals
-from moebit.training.shard_loop import shard_config, shard_state
+from moebit.training.shard_loop import shard_state
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -175,15 +175,25 @@ def broadcast_model(model: CausalLM) -> None:
 def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
                     device: torch.device | str) -> CausalLM:
     """This rank's model: built or loaded, the hooks' ``init_model``, then sharded under
-    ``shard``. Sharded ``--init-from`` a Hugging Face folder builds without weights,
-    shards, then reads each rank's own rows of the safetensors (``shard_init``)."""
+    ``shard``. Sharded, no rank holds the whole model (``shard_build.build_sharded_run``:
+    a fresh model is built on the meta device and each rank initialises only its shards;
+    ``--init-from`` a Hugging Face folder reads each rank's own rows). A hook
+    ``init_model`` needs the whole model: it is then built whole (a folder's model
+    empty, read after sharding), and sharded after the hook."""
+    if cfg.shard != "none" and is_nothing(init_model):
+        from moebit.training.shard_build import build_sharded_run
+
+        sharded = build_sharded_run(cfg, device)
+        if sharded is not None:
+            return sharded  # type: ignore[no-any-return]
     mcfg = cfg.model_config()
     if cfg.shard != "none" and cfg.init_from and isinstance(mcfg, HFDecoderConfig):
-        model = build_empty(mcfg)
-        init_model(model)
-        _shard(cfg, model)
+        from moebit.training.shard_build import shard
         from moebit.training.shard_init import load_hf_sharded
 
+        model = build_empty(mcfg)
+        init_model(model)
+        shard(cfg, model)
         load_hf_sharded(model, str(cfg.init_from))
         return model  # type: ignore[return-value]
     model = build_model(cfg).to(device)  # type: ignore[attr-defined]
@@ -192,23 +202,16 @@ def build_run_model(cfg: TrainConfig, init_model: Callable[[Any], None],
     return model
 
 
-def _shard(cfg: TrainConfig, model: Any) -> None:
-    from moebit.training.sharding import shard_model  # FSDP2: only sharded runs import it
-
-    # FSDP2 warns when a unit returns a view; moebit's blocks and heads return fresh
-    # tensors nobody modifies in place (the sharded gradients equal the replicated ones)
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    shard_model(model, shard_config(cfg))
-
-
 def shard_if_asked(cfg: TrainConfig, model: CausalLM) -> bool:
     """Under ``shard``: rank 0's initial weights everywhere, then FSDP2 over the ranks (in
     place), before the optimizer is built on the sharded parameters. Returns whether the
     model is now sharded."""
     if cfg.shard == "none":
         return False
+    from moebit.training.shard_build import shard
+
     broadcast_model(model)  # the replicas agree before each rank keeps its shard
-    _shard(cfg, model)
+    shard(cfg, model)
     return True
 
 

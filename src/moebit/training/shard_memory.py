@@ -80,3 +80,60 @@ def size_bytes(text: str, what: str) -> int:
     if value <= 0:
         raise ValueError(f"{what}: must be positive (got {text!r})")
     return value
+
+
+class LiveTensorBytes:
+    """The most bytes of CPU tensor storage alive at once while it is entered, counted
+    over every tensor any torch operation read or made in that time (a DTensor by its
+    local shard). It watches the operations themselves (a dispatch mode), so it measures
+    what a build really allocated, whatever code did it: ``peak`` against the model's
+    bytes tells whether some rank held the full model.
+
+        with LiveTensorBytes() as live:
+            model = build()
+        live.peak
+    """
+
+    def __init__(self) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+        self.peak = 0
+        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                meter._note(args, kwargs, out, StorageWeakRef)
+                return out
+
+        self._mode = _Mode()
+
+    def _note(self, args: object, kwargs: object, out: object, weak: type) -> None:
+        from torch.utils._pytree import tree_flatten
+
+        for t in tree_flatten((args, kwargs, out))[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = _local(t)
+            if t.device.type != "cpu":
+                continue
+            s = t.untyped_storage()
+            held = self._seen.get(s._cdata)
+            if held is None or held[0].expired():
+                self._seen[s._cdata] = (weak(s), s.nbytes())
+        live = 0
+        for key, (ref, n) in list(self._seen.items()):
+            if ref.expired():
+                del self._seen[key]
+            else:
+                live += n
+        self.peak = max(self.peak, live)
+
+    def __enter__(self) -> LiveTensorBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)

@@ -188,12 +188,15 @@ class ShardState:
     reduce_scatters: tuple[CompressedReduceScatter, ...] = ()
 
 
-def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None = None) -> nn.Module:
+def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None = None,
+                device_type: str | None = None) -> nn.Module:
     """Apply FSDP2 to ``model`` in place (returned for chaining); collective.
 
     ``model.blocks`` must hold the decoder blocks (moebit's GPT and HFDecoder do). With
     ``cfg.shard == "none"`` the model is returned untouched. The model must be on its
-    final device, with expert-parallel groups already made (``model.ep_groups``).
+    final device, or on the meta device with ``device_type`` naming the final one (then
+    ``to_empty`` gives each rank its shards: ``moebit.training.shard_build``), with
+    expert-parallel groups already made (``model.ep_groups``).
     """
     if cfg.shard == "none":
         return model
@@ -203,7 +206,10 @@ def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None =
     if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
         raise ValueError(f"shard_model: {type(model).__name__} has no .blocks ModuleList "
                          f"of decoder blocks to shard one by one")
-    device_type = next(model.parameters()).device.type
+    device_type = device_type or next(model.parameters()).device.type
+    if device_type == "meta":
+        raise ValueError("shard_model: the model is on the meta device; pass device_type, "
+                         "the device its shards will live on")
     meshes = meshes or make_meshes(cfg, _model_ep_size(model), device_type)
     if meshes.ep_size != _model_ep_size(model):
         raise ValueError(f"meshes were made for ep_size={meshes.ep_size}, the model has "
