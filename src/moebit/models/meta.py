@@ -4,12 +4,15 @@ A meta tensor has no values, yet ``nn.Embedding``'s ``normal_`` (and other initi
 still dispatch to torch's Python reference implementations on it, and those import
 ``torch._dynamo``: seconds of a launcher's start (the memory check builds the model on
 meta) for numbers nobody reads. ``on_meta()`` is ``torch.device("meta")`` that returns
-the meta tensor untouched from every in-place initializer.
+the meta tensor untouched from every in-place initializer, except inside
+``keep_initializers()``: a sharded run records the meta build's operations to replay them
+per rank (``moebit.training.meta_init``), and the draws are what it replays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,11 +27,14 @@ _INITIALIZERS = frozenset({
 })
 
 
+_KEEP = contextvars.ContextVar("moebit_keep_initializers", default=False)
+
+
 class _NoInitOnMeta(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _INITIALIZERS:
+        if not _KEEP.get() and getattr(func, "__name__", "") in _INITIALIZERS:
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.is_meta:
                 return target
@@ -40,3 +46,13 @@ def on_meta() -> Iterator[None]:
     """Modules made inside get meta parameters and buffers; initializers are skipped."""
     with torch.device("meta"), _NoInitOnMeta():
         yield
+
+
+@contextlib.contextmanager
+def keep_initializers() -> Iterator[None]:
+    """Inside, ``on_meta()`` runs the initializers too (on meta tensors: shapes only)."""
+    token = _KEEP.set(True)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
