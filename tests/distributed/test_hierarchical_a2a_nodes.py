@@ -7,15 +7,15 @@ as with the flat exchange, so the run must match a flat 4-rank run loss for loss
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from moebit.testing import free_port
+
+from launches import run_two_nodes
 
 COMMON = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "32",
           "--batch-size", "2", "--steps", "6", "--log-every", "2", "--eval-every", "6",
@@ -45,23 +45,7 @@ def test_two_node_hierarchical_run_equals_the_flat_run(tmp_path: Path, small_cor
     port = free_port()
     multi = ["--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", f"hier{port}", "--a2a-hierarchical", *COMMON, *data]
-    procs = [_launch([*multi, "--node-rank", "0", "--run-dir", str(tmp_path / "node0")])]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and procs[0].poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
-    procs.append(_launch([*multi, "--node-rank", "1", "--run-dir", str(tmp_path / "node1")]))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for p, o in zip(procs, outs, strict=True):
-        assert p.returncode == 0, o[-3000:]
+    run_two_nodes(multi, tmp_path, port, timeout=300)
     hier = next(tmp_path / f"node{i}" for i in range(2)
                 if (tmp_path / f"node{i}" / "metrics.jsonl").exists())
     a, b = _train_records(tmp_path / "flat"), _train_records(hier)

@@ -1,11 +1,6 @@
 """Real multi-rank training: gloo ranks, real text, loss falls, replicas stay identical."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +8,8 @@ import torch
 
 from moebit.testing import free_port, run_on_ranks
 from moebit.training.config import build
+
+from launches import run_two_nodes
 
 
 def _train_body(rank: int, world: int, cfg_dict: dict, run_dir: str):
@@ -102,34 +99,7 @@ def test_cli_two_nodes_train_together(tmp_path: Path, small_corpus: Path):
               "--n-head", "2", "--d-model", "32", "--block-size", "32", "--batch-size", "4",
               "--steps", "10", "--eval-every", "10", "--eval-batches", "1", "--samples", "0",
               "--dtype", "fp32"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-
-    def launch(i: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "moebit.cli", "train", *common, "--node-rank", str(i),
-             "--run-dir", str(run_dir / f"node{i}")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-
-    # On one machine both launchers could host the store; on real clusters node 1 is
-    # elsewhere. Start node 0 first and let it bind the rendezvous port.
-    procs = [launch(0)]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and procs[0].poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
-    procs.append(launch(1))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    run_two_nodes(common, run_dir, port, timeout=150)
     metrics = [run_dir / f"node{i}" / "metrics.jsonl" for i in range(2)]
     written = [m for m in metrics if m.exists()]
     assert len(written) == 1, "exactly the global rank 0 writes metrics"

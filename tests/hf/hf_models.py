@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,19 +28,43 @@ FAMILIES = {
 }
 
 
-def make_hf_model(family: str, folder: Path, seed: int = 0, **overrides):
-    """A random transformers model of ``family`` saved in ``folder``; returns it (eval, fp32)."""
+def spread_routers_and_norms(model) -> None:
+    """Routers start at zero in some families and norms at one: give them a spread (a
+    dropped norm or a wrong routing then shows), and DeepSeek-style selection biases
+    (``e_score_correction_bias``) a nonzero value that changes which experts are picked."""
     import torch
 
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # routers start at zero in some families: give them a spread
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("gate.weight") or "norm" in name:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
+
+
+def make_hf_model(family: str, folder: Path, seed: int = 0, *, settings: dict | None = None,
+                  spread: Callable[[object], None] = spread_routers_and_norms, **overrides):
+    """A random transformers model of ``family`` saved in ``folder``; returns it (eval, fp32).
+
+    ``settings``: its config (default: BASE with FAMILIES[family]), ``overrides`` on top;
+    ``spread`` moves chosen weights off their init values before the save."""
+    import torch
+
+    torch.manual_seed(seed)
+    settings = {**BASE, **FAMILIES[family]} if settings is None else settings
+    cfg = transformers.AutoConfig.for_model(family, **{**settings, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    spread(model)
     model.save_pretrained(folder)
     return model.eval()
+
+
+def token_ids(b: int = 2, t: int = 13, seed: int = 1, vocab: int = 96):
+    """A (b, t) batch of random token ids below ``vocab``, the same for a given seed."""
+    import torch
+
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
 def train_tokenizer(folder: Path, vocab_size: int = 320) -> Path:
@@ -72,3 +97,21 @@ def text_corpus(tmp: Path, chars: int) -> Path:
     f = tmp / "data.txt"
     f.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()[:chars])
     return f
+
+
+def forward_both(ref, model, ids):
+    """transformers' forward (labels, router logits) and moebit's (on shifted targets, and
+    on the whole sequence) over ``ids``; asserts that the logits and every MoE layer's
+    router logits agree. Returns (transformers' output, moebit's loss output, moebit's
+    full output) for the family's own checks."""
+    import torch
+
+    with torch.no_grad():
+        r = ref(ids, labels=ids, output_router_logits=True)
+        o = model(ids[:, :-1], ids[:, 1:])
+        full = model(ids)
+    torch.testing.assert_close(full.logits, r.logits, atol=1e-4, rtol=0)
+    assert len(full.ffn_outputs) == len(r.router_logits) == len(model.config.moe_layers)
+    for a, b in zip(r.router_logits, full.ffn_outputs, strict=True):
+        torch.testing.assert_close(b.router_logits, a.float(), atol=1e-4, rtol=0)
+    return r, o, full

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hf_models import run_moebit, text_corpus, train_tokenizer
+from hf_models import forward_both, make_hf_model, run_moebit, text_corpus, token_ids, train_tokenizer
 
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
 from moebit.inference.generate import generate_tokens
@@ -44,19 +44,9 @@ NEW = {
 
 
 def make_model(family: str, folder: Path, seed: int = 0, **overrides):
-    """A random transformers model of ``family`` saved in ``folder``; returns it (eval, fp32)."""
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **NEW[family], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # spread the routers and norms; a nonzero bias that matters
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight") or "norm" in name:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    return model.eval()
+    """This file's families (BASE with NEW[family]) through hf_models.make_hf_model."""
+    return make_hf_model(family, folder, seed, settings={**BASE, **NEW[family]},
+                         **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +64,13 @@ def made(request, built):
     return (request.param, *built[request.param])
 
 
-def _ids(b: int = 2, t: int = 13, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
 def test_logits_router_logits_and_loss_match(made):
     family, folder, ref = made
     model = from_pretrained(folder)
     assert model.config.is_mla and model.config.moe_layers == [1, 2]
     assert isinstance(model.blocks[0].self_attn, MLAttention)
-    ids = _ids()
-    with torch.no_grad():
-        r = ref(ids, labels=ids, output_router_logits=True)
-        o = model(ids[:, :-1], ids[:, 1:])
-        full = model(ids)
-    torch.testing.assert_close(full.logits, r.logits, atol=1e-4, rtol=0)
-    assert len(full.ffn_outputs) == len(r.router_logits) == 2
-    for a, b in zip(r.router_logits, full.ffn_outputs, strict=True):
-        torch.testing.assert_close(b.router_logits, a.float(), atol=1e-4, rtol=0)
+    ids = token_ids()
+    r, o, full = forward_both(ref, model, ids)
     # transformers' DeepSeek models compute no load-balancing loss: neither does moebit
     assert r.aux_loss is None and float(full.aux_loss) == 0.0
     torch.testing.assert_close(o.loss, r.loss, atol=1e-4, rtol=0)
@@ -102,7 +81,7 @@ def test_routing_and_rope_options_are_used(made):
     two experts instead of the best one, and V3 without yarn's scales move the logits."""
     family, folder, _ = made
     model = from_pretrained(folder)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         base = model(ids).logits
         cfg = read_config(folder)
@@ -127,7 +106,7 @@ def test_routing_and_rope_options_are_used(made):
 def test_greedy_generation_matches(made):
     _, folder, ref = made
     model = from_pretrained(folder)
-    ids = _ids(2, 7, seed=3)
+    ids = token_ids(2, 7, seed=3)
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                         max_new_tokens=10, min_new_tokens=10)
     got = generate_tokens(model, ids.tolist(), max_new_tokens=10, temperature=0).tokens
@@ -157,7 +136,7 @@ def test_latent_cache_decoding_equals_the_full_forward(made, monkeypatch):
     family, folder, ref = made
     model = from_pretrained(folder)
     c = model.config
-    ids = _ids(2, 40, seed=7)
+    ids = token_ids(2, 40, seed=7)
     with torch.no_grad():
         full = model(ids).logits
         cache = model.new_cache(2, 48)
@@ -188,7 +167,7 @@ def test_padded_rows_and_server_slots_decode_as_the_full_forward(made):
 
     _, folder, _ = made
     model = from_pretrained(folder)
-    prompts = [_ids(1, 9, seed=11)[0].tolist(), _ids(1, 4, seed=12)[0].tolist()]
+    prompts = [token_ids(1, 9, seed=11)[0].tolist(), token_ids(1, 4, seed=12)[0].tolist()]
 
     def greedy_full(p: list[int], n: int) -> list[int]:
         out = list(p)
@@ -231,7 +210,7 @@ def test_save_pretrained_round_trip(made, tmp_path):
     bias = [n for n in names if n.endswith("e_score_correction_bias")]
     assert len(bias) == (2 if family == "deepseek_v3" else 0)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
         again = from_pretrained(tmp_path / "out")
@@ -245,8 +224,8 @@ def _ep_rank(rank: int, world: int, folders: dict, out: str) -> dict:
         model = build_empty(read_config(folder, ep_size=world)).eval()
         report = load_hf_weights(model, folder)
         with torch.no_grad():
-            logits = model(_ids(2, 9, seed=5)).logits
-            got = generate_tokens(model, _ids(2, 5, seed=6).tolist(), max_new_tokens=4,
+            logits = model(token_ids(2, 9, seed=5)).logits
+            got = generate_tokens(model, token_ids(2, 5, seed=6).tolist(), max_new_tokens=4,
                                   temperature=0).tokens
         save_pretrained(model, f"{out}/{family}")
         res[family] = {"logits": logits, "read": report.tensors_read, "generated": got}
@@ -256,12 +235,12 @@ def _ep_rank(rank: int, world: int, folders: dict, out: str) -> dict:
 def test_ep2_matches_one_process(built, tmp_path):
     folders = {f: str(folder) for f, (folder, _) in built.items()}
     results = run_on_ranks(_ep_rank, world=2, args=(folders, str(tmp_path)), timeout=240)
-    ids = _ids(2, 9, seed=5)
+    ids = token_ids(2, 9, seed=5)
     for family, folder in folders.items():
         single = from_pretrained(folder)
         with torch.no_grad():
             want = single(ids).logits
-        want_gen = generate_tokens(single, _ids(2, 5, seed=6).tolist(), max_new_tokens=4,
+        want_gen = generate_tokens(single, token_ids(2, 5, seed=6).tolist(), max_new_tokens=4,
                                    temperature=0).tokens
         for rank, res in enumerate(r[family] for r in results):
             torch.testing.assert_close(res["logits"], want, atol=1e-5, rtol=0)
@@ -282,7 +261,7 @@ def test_rope_in_halves_matches(tmp_path):
     model = from_pretrained(tmp_path)
     assert not model.config.rope_interleave and model.config.rope_type == "default"
     with torch.no_grad():
-        torch.testing.assert_close(model(_ids()).logits, ref(_ids()).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(model(token_ids()).logits, ref(token_ids()).logits, atol=1e-4, rtol=0)
 
 
 def _cfg(family: str, **extra) -> dict:
@@ -403,6 +382,6 @@ def test_a_student_keeps_the_teachers_layers_and_loads_in_transformers(made, tmp
         assert torch.equal(p, t_sd[src]), name
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student").eval()
     assert back.config.num_hidden_layers == 2 and back.config.first_k_dense_replace == 1
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(student(ids).logits, back(ids).logits, atol=1e-4, rtol=0)

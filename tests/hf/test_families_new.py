@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import run_moebit, text_corpus, train_tokenizer
+from hf_models import forward_both, make_hf_model, run_moebit, text_corpus, token_ids, train_tokenizer
 
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
 from moebit.inference.generate import generate_tokens
@@ -40,19 +40,9 @@ NEW = {
 
 
 def make_new_model(family: str, folder: Path, seed: int = 0, **overrides):
-    """A random transformers model of ``family`` saved in ``folder``; returns it (eval, fp32)."""
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **NEW[family], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # spread the routers and norms; a nonzero bias that matters
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight") or "norm" in name:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    return model.eval()
+    """This file's families (BASE with NEW[family]) through hf_models.make_hf_model."""
+    return make_hf_model(family, folder, seed, settings={**BASE, **NEW[family]},
+                         **overrides)
 
 
 @pytest.fixture(scope="module", params=sorted(NEW))
@@ -62,22 +52,11 @@ def made(request, tmp_path_factory):
     return request.param, folder, make_new_model(request.param, folder)
 
 
-def _ids(b: int = 2, t: int = 13, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
 def test_logits_router_logits_and_loss_match(made):
     family, folder, ref = made
     model = from_pretrained(folder)
-    ids = _ids()
-    with torch.no_grad():
-        r = ref(ids, labels=ids, output_router_logits=True)
-        o = model(ids[:, :-1], ids[:, 1:])
-        full = model(ids)
-    torch.testing.assert_close(full.logits, r.logits, atol=1e-4, rtol=0)
-    assert len(full.ffn_outputs) == len(r.router_logits) == len(model.config.moe_layers)
-    for a, b in zip(r.router_logits, full.ffn_outputs, strict=True):
-        torch.testing.assert_close(b.router_logits, a.float(), atol=1e-4, rtol=0)
+    ids = token_ids()
+    r, o, full = forward_both(ref, model, ids)
     if family == "glm4_moe":  # transformers' GLM computes no load-balancing loss
         assert r.aux_loss is None and float(full.aux_loss) == 0.0
         assert model.config.moe_layers == [1, 2]
@@ -96,7 +75,7 @@ def test_partial_rope_and_selection_bias_are_used(made):
     want = ref.model.layers[model.config.moe_layers[0]].mlp
     bias_ref = want.gate.e_score_correction_bias if family == "glm4_moe" else want.e_score_correction_bias
     torch.testing.assert_close(gate.e_score_correction_bias, bias_ref, atol=0, rtol=0)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         base = model(ids).logits
         for layer in model.config.moe_layers:
@@ -111,7 +90,7 @@ def test_partial_rope_and_selection_bias_are_used(made):
 def test_greedy_generation_matches(made):
     _, folder, ref = made
     model = from_pretrained(folder)
-    ids = _ids(2, 7, seed=3)
+    ids = token_ids(2, 7, seed=3)
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                         max_new_tokens=10, min_new_tokens=10)
     got = generate_tokens(model, ids.tolist(), max_new_tokens=10, temperature=0).tokens
@@ -135,7 +114,7 @@ def test_save_pretrained_round_trip(made, tmp_path):
     else:
         assert all(".block_sparse_moe." in n for n in bias)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
         again = from_pretrained(tmp_path / "out")
@@ -147,8 +126,8 @@ def _ep_rank(rank: int, world: int, folder: str, out: str) -> dict:
     model = build_empty(read_config(folder, ep_size=world)).eval()
     report = load_hf_weights(model, folder)
     with torch.no_grad():
-        logits = model(_ids(2, 9, seed=5)).logits
-        got = generate_tokens(model, _ids(2, 5, seed=6).tolist(), max_new_tokens=4,
+        logits = model(token_ids(2, 9, seed=5)).logits
+        got = generate_tokens(model, token_ids(2, 5, seed=6).tolist(), max_new_tokens=4,
                               temperature=0).tokens
     save_pretrained(model, out)
     return {"logits": logits, "read": report.tensors_read, "generated": got}
@@ -160,8 +139,8 @@ def test_ep2_matches_one_process(made, tmp_path):
                            timeout=240)
     single = from_pretrained(folder)
     with torch.no_grad():
-        want = single(_ids(2, 9, seed=5)).logits
-    want_gen = generate_tokens(single, _ids(2, 5, seed=6).tolist(), max_new_tokens=4,
+        want = single(token_ids(2, 9, seed=5)).logits
+    want_gen = generate_tokens(single, token_ids(2, 5, seed=6).tolist(), max_new_tokens=4,
                                temperature=0).tokens
     for rank, res in enumerate(results):
         torch.testing.assert_close(res["logits"], want, atol=1e-5, rtol=0)
@@ -169,10 +148,10 @@ def test_ep2_matches_one_process(made, tmp_path):
         experts = {int(m.group(1)) for n in res["read"] if (m := re.search(r"\.experts\.(\d+)\.", n))}
         assert experts == set(range(4 * rank, 4 * rank + 4))
     with torch.no_grad():  # the EP-saved folder (an expert shard per rank) loads everywhere
-        torch.testing.assert_close(from_pretrained(tmp_path / "out")(_ids(2, 9, seed=5)).logits,
+        torch.testing.assert_close(from_pretrained(tmp_path / "out")(token_ids(2, 9, seed=5)).logits,
                                    want, atol=0, rtol=0)
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-        torch.testing.assert_close(back(_ids(2, 9, seed=5)).logits, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(back(token_ids(2, 9, seed=5)).logits, want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(NEW))
@@ -295,7 +274,7 @@ def test_fused_5x_layout_loads(made, tmp_path):
     ref.config.save_pretrained(tmp_path)
     model = from_pretrained(tmp_path)
     with torch.no_grad():
-        torch.testing.assert_close(model(_ids()).logits, ref(_ids()).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(model(token_ids()).logits, ref(token_ids()).logits, atol=1e-4, rtol=0)
 
 
 def test_bfloat16_keeps_the_selection_bias_float32(made):

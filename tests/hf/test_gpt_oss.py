@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hf_models import run_moebit, text_corpus, train_tokenizer
+from hf_models import forward_both, make_hf_model, run_moebit, text_corpus, token_ids, train_tokenizer
 
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
 from moebit.inference.generate import generate_tokens
@@ -43,11 +43,9 @@ FAMILIES = {
 }
 
 
-def make_model(family: str, folder: Path, seed: int = 0, **overrides):
-    """A random transformers model of ``family`` saved in ``folder``; returns it (eval, fp32)."""
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+def spread_wide(model) -> None:
+    """Norms, routers, and gpt-oss's biases and sinks off their init values, the biases and
+    sinks wide, so that dropping any of them would show."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -56,8 +54,12 @@ def make_model(family: str, folder: Path, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.3)
             elif "bias" in name or name.endswith("sinks"):
                 p.normal_(0.0, 0.5)
-    model.save_pretrained(folder)
-    return model.eval()
+
+
+def make_model(family: str, folder: Path, seed: int = 0, **overrides):
+    """This file's families (BASE with FAMILIES[family]) through hf_models.make_hf_model."""
+    return make_hf_model(family, folder, seed, settings={**BASE, **FAMILIES[family]},
+                         spread=spread_wide, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +77,12 @@ def made(request, folders):
     return (request.param, *folders[request.param])
 
 
-def _ids(b: int = 2, t: int = 13, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
 def test_logits_router_logits_and_loss_match(made):
     family, folder, ref = made
     model = from_pretrained(folder)
-    ids = _ids()
-    with torch.no_grad():
-        r = ref(ids, labels=ids, output_router_logits=True)
-        o = model(ids[:, :-1], ids[:, 1:])
-        full = model(ids)
-    torch.testing.assert_close(full.logits, r.logits, atol=1e-4, rtol=0)
-    assert len(full.ffn_outputs) == len(r.router_logits) == len(model.config.moe_layers) == 3
-    for a, b in zip(r.router_logits, full.ffn_outputs, strict=True):
-        torch.testing.assert_close(b.router_logits, a.float(), atol=1e-4, rtol=0)
+    ids = token_ids()
+    r, o, full = forward_both(ref, model, ids)
+    assert len(model.config.moe_layers) == 3
     coef = ref.config.router_aux_loss_coef
     torch.testing.assert_close(full.aux_loss, coef * r.aux_loss.float(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(o.loss + full.aux_loss, r.loss, atol=1e-4, rtol=0)
@@ -105,7 +97,7 @@ def test_logits_router_logits_and_loss_match(made):
 def test_greedy_generation_matches_past_the_window(made):
     _, folder, ref = made
     model = from_pretrained(folder)
-    ids = _ids(2, 7, seed=3)
+    ids = token_ids(2, 7, seed=3)
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                         max_new_tokens=10, min_new_tokens=10)
     got = generate_tokens(model, ids.tolist(), max_new_tokens=10, temperature=0, eos=[]).tokens
@@ -120,7 +112,7 @@ def test_save_pretrained_round_trip(made, tmp_path):
             p.add_(0.01 * torch.randn_like(p))
     save_pretrained(model, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
         again = from_pretrained(tmp_path / "out")
@@ -134,8 +126,8 @@ def _ep_rank(rank: int, world: int, folders: dict, outs: dict) -> dict:
         model = build_empty(read_config(folder, ep_size=world)).eval()
         report = load_hf_weights(model, folder)
         with torch.no_grad():
-            logits = model(_ids(2, 9, seed=5)).logits
-            got = generate_tokens(model, _ids(2, 5, seed=6).tolist(), max_new_tokens=6,
+            logits = model(token_ids(2, 9, seed=5)).logits
+            got = generate_tokens(model, token_ids(2, 5, seed=6).tolist(), max_new_tokens=6,
                                   temperature=0, eos=[]).tokens
         save_pretrained(model, outs[family])
         res[family] = {"logits": logits, "read": report.tensors_read, "generated": got}
@@ -151,17 +143,17 @@ def test_ep2_matches_one_process(folders, tmp_path):
     for family in FAMILIES:
         single = from_pretrained(srcs[family])
         with torch.no_grad():
-            want = single(_ids(2, 9, seed=5)).logits
-        want_gen = generate_tokens(single, _ids(2, 5, seed=6).tolist(), max_new_tokens=6,
+            want = single(token_ids(2, 9, seed=5)).logits
+        want_gen = generate_tokens(single, token_ids(2, 5, seed=6).tolist(), max_new_tokens=6,
                                    temperature=0, eos=[]).tokens
         for res in results:
             torch.testing.assert_close(res[family]["logits"], want, atol=1e-5, rtol=0)
             assert res[family]["generated"] == want_gen
         with torch.no_grad():  # the EP-saved folder loads in one process and in transformers
-            torch.testing.assert_close(from_pretrained(outs[family])(_ids(2, 9, seed=5)).logits,
+            torch.testing.assert_close(from_pretrained(outs[family])(token_ids(2, 9, seed=5)).logits,
                                        want, atol=0, rtol=0)
             back = transformers.AutoModelForCausalLM.from_pretrained(outs[family]).eval()
-            torch.testing.assert_close(back(_ids(2, 9, seed=5)).logits, want, atol=1e-4, rtol=0)
+            torch.testing.assert_close(back(token_ids(2, 9, seed=5)).logits, want, atol=1e-4, rtol=0)
     assert any(n.endswith("experts.gate_up_proj") for n in results[1]["gpt_oss"]["read"])
 
 
@@ -169,7 +161,7 @@ def test_sinks_and_window_are_real(folders):
     """Without the sinks, or with every layer full, the logits move past the window."""
     folder, _ = folders["gpt_oss"]
     model = from_pretrained(folder)
-    ids = _ids(1, 13)
+    ids = token_ids(1, 13)
     with torch.no_grad():
         base = model(ids).logits
         for block in model.blocks:
@@ -188,7 +180,7 @@ def test_padded_batch_decoding_matches_each_prompt_alone(folders):
     to what transformers gives each prompt on its own."""
     folder, ref = folders["gpt_oss"]
     model = from_pretrained(folder)
-    prompts = [_ids(1, 9, seed=7)[0].tolist(), _ids(1, 3, seed=8)[0].tolist()]
+    prompts = [token_ids(1, 9, seed=7)[0].tolist(), token_ids(1, 3, seed=8)[0].tolist()]
     got = generate_tokens(model, prompts, max_new_tokens=8, temperature=0, eos=[]).tokens
     for p, g in zip(prompts, got, strict=True):
         ids = torch.tensor([p])
@@ -227,7 +219,7 @@ def test_mxfp4_experts_dequantize_as_transformers(folders, tmp_path):
     orig = load_file(str(folder / "model.safetensors"))[name]
     assert 0 < (got - orig).abs().max() < 0.25 * orig.abs().max()  # quantized, and close
     model = from_pretrained(tmp_path / "mx")
-    ids = _ids()
+    ids = token_ids()
     save_pretrained(model, tmp_path / "out")  # exported dequantized, no quantization_config
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -342,6 +334,6 @@ def test_a_gpt_oss_student_keeps_its_layers_kinds_and_loads_in_transformers(fold
         assert torch.equal(p, t_sd[src]), name
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student").eval()
     assert back.config.layer_types == [teacher.config.layer_types[i] for i in keep]
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(student(ids).logits, back(ids).logits, atol=1e-4, rtol=0)

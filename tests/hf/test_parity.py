@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from hf_models import make_hf_model
+from hf_models import forward_both, make_hf_model, token_ids
 
 from moebit.hf import build_empty, from_pretrained, load_hf_weights, read_config, save_pretrained
 from moebit.inference.generate import generate_tokens
@@ -15,22 +15,11 @@ from moebit.models.hf.config import HFDecoderConfig
 transformers = pytest.importorskip("transformers")
 
 
-def _ids(b: int = 2, t: int = 13, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
 def test_logits_router_logits_and_aux_loss_match(family, tmp_path):
     ref = make_hf_model(family, tmp_path)
     model = from_pretrained(tmp_path)
-    ids = _ids()
-    with torch.no_grad():
-        r = ref(ids, labels=ids, output_router_logits=True)
-        o = model(ids[:, :-1], ids[:, 1:])
-        full = model(ids)
-    torch.testing.assert_close(full.logits, r.logits, atol=1e-4, rtol=0)
-    assert len(full.ffn_outputs) == len(r.router_logits) == len(model.config.moe_layers)
-    for a, b in zip(r.router_logits, full.ffn_outputs, strict=True):
-        torch.testing.assert_close(b.router_logits, a.float(), atol=1e-4, rtol=0)
+    ids = token_ids()
+    r, o, full = forward_both(ref, model, ids)
     coef = ref.config.router_aux_loss_coef
     torch.testing.assert_close(full.aux_loss, coef * r.aux_loss.float(), atol=1e-6, rtol=1e-5)
     # transformers' loss = CE(shifted) + coef * aux: moebit's loss on shifted targets + aux
@@ -40,7 +29,7 @@ def test_logits_router_logits_and_aux_loss_match(family, tmp_path):
 def test_greedy_generation_matches(family, tmp_path):
     ref = make_hf_model(family, tmp_path)
     model = from_pretrained(tmp_path)
-    ids = _ids(2, 7, seed=3)
+    ids = token_ids(2, 7, seed=3)
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                         max_new_tokens=10, min_new_tokens=10)
     got = generate_tokens(model, ids.tolist(), max_new_tokens=10, temperature=0).tokens
@@ -57,7 +46,7 @@ def test_save_pretrained_loads_in_transformers(family, tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 2  # dense shard + one expert shard
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
     again = from_pretrained(tmp_path / "out")  # and moebit reads its own output back
@@ -75,7 +64,7 @@ def test_fused_5x_layout_loads(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model = from_pretrained(tmp_path)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-4, rtol=0)
 
@@ -126,7 +115,7 @@ def test_tied_embeddings(tmp_path):
     ref = make_hf_model("qwen3_moe", tmp_path, tie_word_embeddings=True)
     model = from_pretrained(tmp_path)
     assert model.lm_head.weight is model.wte.weight
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-4, rtol=0)
     save_pretrained(model, tmp_path / "out")

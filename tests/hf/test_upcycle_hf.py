@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import BASE, run_moebit, text_corpus, train_tokenizer
+from hf_models import BASE, make_hf_model, run_moebit, text_corpus, token_ids, train_tokenizer
 
 from moebit.cli.upcycle import main as upcycle_main
 from moebit.hf import from_pretrained, is_hf_folder, save_pretrained
@@ -23,24 +23,20 @@ _OLMO_IDS = {"pad_token_id": 0, "eos_token_id": None, "bos_token_id": None}  # i
 DENSE = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 8}, "olmo2": _OLMO_IDS}
 
 
-def make_dense(family: str, folder: Path, seed: int = 0, **overrides):
-    """A random dense transformers model saved in ``folder``; norms and biases off their
-    init values so that a dropped norm or bias would show. Returns it (eval, fp32)."""
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **DENSE[family], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+def spread_norms_and_biases(model) -> None:
+    """Norms and biases off their init values, so that a dropped norm or bias would show."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
-def _ids(b: int = 2, t: int = 13, seed: int = 1, vocab: int = 96) -> torch.Tensor:
-    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+def make_dense(family: str, folder: Path, seed: int = 0, **overrides):
+    """A random dense transformers model saved in ``folder``, through make_hf_model."""
+    return make_hf_model(family, folder, seed, settings={**BASE, **DENSE[family]},
+                         spread=spread_norms_and_biases, **overrides)
 
 
 def _load_hf(folder: Path):
@@ -56,7 +52,7 @@ def test_dense_family_matches_transformers(family, tmp_path):
     ref = make_dense(family, tmp_path / "src", tie_word_embeddings=family == "qwen2")
     model = from_pretrained(tmp_path / "src")
     assert not model.config.is_moe and model.ep_groups is None and model.num_expert_params() == 0
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         r = ref(ids, labels=ids)
         full = model(ids)
@@ -109,7 +105,7 @@ def test_upcycled_model_computes_the_dense_model(case, tmp_path):
     shards = set(json.loads((tmp_path / "up" / "model.safetensors.index.json").read_text())
                  ["weight_map"].values())
     assert len(shards) == 1 + len(layers)  # the dense tensors, then one shard per MoE layer
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         r = ref(ids).logits
         torch.testing.assert_close(up(ids).logits, r, atol=1e-4, rtol=0)
@@ -134,7 +130,7 @@ def _ep_logits(rank: int, world: int, folder: str) -> dict:
     torch.set_num_threads(1)
     model = from_pretrained(folder, ep_size=world, rank=rank)
     with torch.no_grad():
-        return {"logits": model(_ids()).logits,
+        return {"logits": model(token_ids()).logits,
                 "experts": model.blocks[0].mlp.experts.first_expert}
 
 
@@ -146,7 +142,7 @@ def test_upcycled_folder_under_expert_parallelism(tmp_path):
     upcycle_folder(tmp_path / "dense", tmp_path / "up", UpcycleSpec(num_experts=4))
     results = run_on_ranks(_ep_logits, world=2, args=(str(tmp_path / "up"),), timeout=240)
     with torch.no_grad():
-        want = ref(_ids()).logits
+        want = ref(token_ids()).logits
     assert [r["experts"] for r in results] == [0, 2]
     for r in results:
         torch.testing.assert_close(r["logits"], want, atol=1e-4, rtol=0)
@@ -154,7 +150,7 @@ def test_upcycled_folder_under_expert_parallelism(tmp_path):
 
 def test_noise_and_unnormalised_weights_move_off_the_dense_model(tmp_path):
     ref = make_dense("qwen3", tmp_path / "dense")
-    ids = _ids()
+    ids = token_ids()
     for name, spec in (("noise", dict(noise_std=0.05)), ("raw", dict(norm_topk_prob=False))):
         with pytest.warns(UserWarning, match="away from the dense"):
             upcycle_folder(tmp_path / "dense", tmp_path / name,
@@ -226,7 +222,7 @@ def test_cli_upcycles_a_hf_folder(tmp_path, capsys):
     assert cfg["decoder_sparse_step"] == 2 and cfg["router_aux_loss_coef"] == 0.02
     assert (tmp_path / "up" / "tokenizer.json").read_bytes() == (
         tmp_path / "dense" / "tokenizer.json").read_bytes()
-    ids = _ids(vocab=320)
+    ids = token_ids(vocab=320)
     with torch.no_grad():
         torch.testing.assert_close(_load_hf(tmp_path / "up")(ids).logits, ref(ids).logits,
                                    atol=1e-4, rtol=0)

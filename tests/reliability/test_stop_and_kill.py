@@ -24,6 +24,8 @@ import pytest
 from moebit.cli.launch import run_ranks
 from moebit.runs.runtime import ENV_GRACE
 
+from launches import children, wait_for_checkpoint
+
 TESTS = str(Path(__file__).parents[1])
 MODULE = "reliability.rank_behaviour"
 TINY = ["--nproc", "2", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size",
@@ -36,29 +38,13 @@ def ranks_import_the_tests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def kill_rank_1_after_a_checkpoint(run: Path, corpus: Path, *extra: str) -> tuple[int, str]:
     proc = subprocess.Popen([sys.executable, "-m", "moebit.cli", "train", *TINY, "--data",
                              str(corpus), "--run-dir", str(run), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        deadline = time.monotonic() + 180
-        while not list((run / "checkpoints").glob("step-*/manifest.json")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
-            time.sleep(0.1)
+        wait_for_checkpoint(proc, run)
         ranks = {}
         for pid in children(proc.pid):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

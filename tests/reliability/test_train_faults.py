@@ -15,6 +15,8 @@ import pytest
 
 from moebit.runs import lock as runlock
 
+from launches import children, wait_for_checkpoint
+
 TINY = ["--nproc", "2", "--n-layer", "1", "--n-head", "2", "--block-size", "32",
         "--batch-size", "4", "--samples", "0", "--dtype", "fp32", "--eval-batches", "1",
         "--threads", "1", "--log-every", "1"]
@@ -25,29 +27,6 @@ def train(args: list[str], **kw: object) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                             **kw)
-
-
-def wait_for_checkpoint(proc: subprocess.Popen, run: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not list((run / "checkpoints").glob("step-*/manifest.json")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("no checkpoint: " + proc.communicate()[0][-3000:])
-        time.sleep(0.1)
-
-
-def rank_pids(launcher: int) -> list[int]:
-    """The ranks started by this launcher (their parent)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == launcher:
-                found.append(int(entry))
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -73,7 +52,7 @@ def test_second_run_is_refused_and_ranks_die_with_a_killed_launcher(tmp_path: Pa
         assert len(lines) == 2 and "data:" in lines[0], b.stderr  # the data line, then the refusal
         assert f"is in use by moebit train (pid {a.pid}" in lines[1]
         assert json.loads((run / "config.json").read_text())["d_model"] == 64, "A's config intact"
-        ranks = rank_pids(a.pid)
+        ranks = children(a.pid)
         assert len(ranks) == 2
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
@@ -85,7 +64,7 @@ def test_second_run_is_refused_and_ranks_die_with_a_killed_launcher(tmp_path: Pa
     finally:
         if a.poll() is None:
             os.killpg(a.pid, signal.SIGKILL)
-        for p in rank_pids(a.pid):
+        for p in children(a.pid):
             os.kill(p, signal.SIGKILL)
 
 

@@ -4,11 +4,6 @@ node each training as two DiLoCo workers, and the bench's DiLoCo rows."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +11,8 @@ import torch
 
 from moebit.cli import main as cli_main
 from moebit.testing import free_port
+
+from launches import restart_after_a_kill, restart_args, run_two_nodes, start
 
 BASE = ["--nproc", "2", "--n-layer", "2", "--n-head", "2", "--d-model", "32",
         "--block-size", "32", "--batch-size", "2", "--steps", "4"]
@@ -106,31 +103,7 @@ def test_two_launchers_train_as_two_diloco_workers(tmp_path: Path, small_corpus:
               "--steps", "8", "--eval-every", "8", "--eval-batches", "1", "--samples", "0",
               "--dtype", "fp32", "--log-every", "2", "--threads", "1", "--outer", "diloco",
               "--outer-every", "4", "--outer-group", "node", "--outer-compress", "int8"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-
-    def launch(i: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "moebit.cli", "train", *common, "--node-rank", str(i),
-             "--run-dir", str(run_dir / f"node{i}")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-    procs = [launch(0)]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and procs[0].poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
-    procs.append(launch(1))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=400)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    run_two_nodes(common, run_dir, port, timeout=400, bind_wait=120)
     recs = [json.loads(x) for x in (run_dir / "node0" / "metrics.jsonl").read_text().splitlines()]
     assert recs[0]["world_size"] == 2
     assert [r["step"] for r in recs if r["kind"] == "outer"] == [4, 8]
@@ -145,57 +118,15 @@ def test_two_launchers_train_as_two_diloco_workers(tmp_path: Path, small_corpus:
         assert torch.equal(v, shards[1]["model"][k]), k
 
 
-def _rank_pid(tag: str, rank: int) -> int | None:
-    """The pid of training rank ``rank`` of the launch tagged ``tag`` (through /proc)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        found = dict(e.split(b"=", 1) for e in env if b"=" in e)
-        if (b"moebit.training.loop" in cmd and found.get(b"MOEBIT_TEST_TAG") == tag.encode()
-                and found.get(b"RANK") == str(rank).encode()):
-            return int(entry)
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_max_restarts_resumes_a_diloco_run(tmp_path: Path, small_corpus: Path):
     """A rank killed after the first checkpoint (step 10, mid-interval of H=4): torchrun
     restarts the ranks, they restore the outer state and the run finishes."""
-    import signal
-    import uuid
-
-    run, tag = tmp_path / "run", uuid.uuid4().hex
-    args = [sys.executable, "-m", "moebit.cli", "train", "--nproc", "2", "--data",
-            str(small_corpus), "--n-layer", "1", "--n-head", "2", "--d-model", "32",
-            "--block-size", "32", "--batch-size", "4", "--steps", "200", "--save-every", "10",
-            "--eval-every", "200", "--eval-batches", "1", "--samples", "0", "--dtype", "fp32",
-            "--log-every", "5", "--max-restarts", "1", "--run-dir", str(run), "--outer",
-            "diloco", "--outer-every", "4", "--outer-group", "world", "--outer-compress", "1bit"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", MOEBIT_TEST_TAG=tag),
-                            start_new_session=True)
-    try:
-        deadline, killed = time.monotonic() + 300, False
-        while time.monotonic() < deadline and not killed and proc.poll() is None:
-            if list((run / "checkpoints").glob("step-*/manifest.json")):
-                pid = _rank_pid(tag, 1)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed = True
-            time.sleep(0.05)
-        assert killed, "no checkpoint, or the run ended before the fault"
-        out = proc.communicate(timeout=400)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    run = tmp_path / "run"
+    args = [*restart_args(small_corpus, run, 200, 10), "--outer", "diloco", "--outer-every", "4",
+            "--outer-group", "world", "--outer-compress", "1bit"]
+    recs = restart_after_a_kill(start("train", args, run), timeout=400, wait=300)
     resumes = [r for r in recs if r["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] % 10 == 0
     syncs = [r["step"] for r in recs if r["kind"] == "outer"]

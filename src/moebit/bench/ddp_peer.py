@@ -21,7 +21,6 @@ are counted from the tensors' shapes the way each hook compresses them.
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from moebit.bench.peer_log import PeerLog
 from moebit.comm import stats
 from moebit.comm.collectives import broadcast_params_, init_from_env
 from moebit.models.gpt import GPT
@@ -124,48 +124,17 @@ def worker(cfg: TrainConfig, run_dir: Path, peer: str, rank: int, start_iter: in
     opt = make_optimizer(cfg, param_groups(model, cfg))
     batches = TrainBatches(corpus.train, cfg.model.block_size, cfg.batch_size, cfg.seed, info.rank)
     vbatches = val_batches(corpus.val, cfg.model.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
-    tokens_per_step = cfg.batch_size * cfg.model.block_size * info.world_size
-    log = (run_dir / "metrics.jsonl").open("a") if info.is_main else None
-
-    def emit(rec: dict[str, Any]) -> None:
-        if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-
-    emit({"kind": "start", "n_params": model.num_params(), "world_size": info.world_size,
-          "optimizer": f"ddp-{peer}", "peer": peer, "powersgd_rank": rank,
-          "threads": torch.get_num_threads()})
-    t_start = time.perf_counter()
-    train_time, win_time, win_loss, win_n = 0.0, 0.0, 0.0, 0
-    win_stats = stats.snapshot()
-    val_loss = math.nan
+    log = PeerLog(run_dir, info.is_main, cfg, info.world_size,
+                  lambda: evaluate(model, vbatches, cfg.dtype, info.device))
+    log.start({"n_params": model.num_params(), "world_size": info.world_size,
+               "optimizer": f"ddp-{peer}", "peer": peer, "powersgd_rank": rank,
+               "threads": torch.get_num_threads()})
     model.train()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         loss = _step(ddp, model, opt, cfg, step, batches.next(), info.device)
-        dt = time.perf_counter() - t0
-        train_time, win_time, win_loss, win_n = train_time + dt, win_time + dt, win_loss + loss, win_n + 1
-        last = step == cfg.steps - 1
-        if (step + 1) % cfg.log_every == 0 or last:
-            now = stats.snapshot()
-            d = now.minus(win_stats)
-            emit({"kind": "train", "step": step + 1, "loss": win_loss / win_n,
-                  "tokens_per_s": tokens_per_step * win_n / win_time, "bytes_sent": now.bytes_sent,
-                  "step_bytes_sent": d.bytes_sent / win_n, "comm_seconds_per_step": None,
-                  "wall": time.perf_counter() - t_start, "train_time": train_time,
-                  **stats.per_step_by_kind(d, win_n)})
-            win_time, win_loss, win_n, win_stats = 0.0, 0.0, 0, now
-        if (step + 1) % cfg.eval_every == 0 or last:
-            val_loss = evaluate(model, vbatches, cfg.dtype, info.device)
-            emit({"kind": "eval", "step": step + 1, "val_loss": val_loss,
-                  "wall": time.perf_counter() - t_start, "train_time": train_time})
-    total = stats.snapshot()
-    emit({"kind": "end", "steps": cfg.steps, "val_loss": val_loss, "train_time": train_time,
-          "wall": time.perf_counter() - t_start, "bytes_sent": total.bytes_sent,
-          "tokens_per_s": tokens_per_step * cfg.steps / max(train_time, 1e-9), "frozen_at": None,
-          "bytes_sent_by_kind": {k: o.bytes_sent for k, o in total.by_kind().items()}})
-    if log is not None:
-        log.close()
+        log.step(step, loss, time.perf_counter() - t0)
+    log.end()
     dist.destroy_process_group()
 
 

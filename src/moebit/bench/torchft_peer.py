@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebit.bench.peer_log import PeerLog
 from moebit.comm import stats
 from moebit.comm.collectives import broadcast_params_, init_from_env
 from moebit.models.registry import new_model
@@ -120,16 +120,6 @@ def _manager(model: torch.nn.Module, inner: torch.optim.Optimizer, rank: int, wo
     return manager, lighthouse, store
 
 
-def _emit_to(run_dir: Path, main: bool) -> Any:
-    log = (run_dir / "metrics.jsonl").open("a") if main else None
-
-    def emit(rec: dict[str, Any]) -> None:
-        if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-    return emit
-
-
 def _train(cfg: TrainConfig, run_dir: Path, info: Any) -> None:
     from torchft.local_sgd import DiLoCo
 
@@ -146,14 +136,11 @@ def _train(cfg: TrainConfig, run_dir: Path, info: Any) -> None:
     manager, lighthouse, store = _manager(model, inner, info.rank, info.world_size)
     batches = TrainBatches(corpus.train, cfg.model.block_size, cfg.batch_size, cfg.seed, info.rank)
     vbatches = val_batches(corpus.val, cfg.model.block_size, cfg.batch_size, cfg.eval_batches, cfg.seed)
-    tokens_per_step = cfg.batch_size * cfg.model.block_size * info.world_size
-    emit = _emit_to(run_dir, info.is_main)
-    emit({"kind": "start", "n_params": model.num_params(), "world_size": info.world_size,
-          "optimizer": "torchft-diloco", "peer": "torchft_diloco", "outer_every": cfg.outer_every,
-          "threads": torch.get_num_threads()})
-    t_start = time.perf_counter()
-    train_time, win_time, win_loss, win_n = 0.0, 0.0, 0.0, 0
-    win_stats, val_loss = stats.snapshot(), math.nan
+    log = PeerLog(run_dir, info.is_main, cfg, info.world_size,
+                  lambda: evaluate(model, vbatches, cfg.dtype, info.device))
+    log.start({"n_params": model.num_params(), "world_size": info.world_size,
+               "optimizer": "torchft-diloco", "peer": "torchft_diloco",
+               "outer_every": cfg.outer_every, "threads": torch.get_num_threads()})
     model.train()
     with DiLoCo(manager, [model], inner, outer, sync_every=cfg.outer_every,
                 backup_device=torch.device("cpu"), pin_memory=False):
@@ -168,29 +155,8 @@ def _train(cfg: TrainConfig, run_dir: Path, info: Any) -> None:
             (out.loss + out.aux_loss).backward()  # no per-step exchange: each rank is a worker
             clip_gradients(model, cfg.grad_clip)
             inner.step()  # torchft's post-step hook syncs every sync_every steps
-            dt = time.perf_counter() - t0
-            train_time, win_time = train_time + dt, win_time + dt
-            win_loss, win_n = win_loss + float(out.loss.detach()), win_n + 1
-            last = step == cfg.steps - 1
-            if (step + 1) % cfg.log_every == 0 or last:
-                now = stats.snapshot()
-                d = now.minus(win_stats)
-                emit({"kind": "train", "step": step + 1, "loss": win_loss / win_n,
-                      "tokens_per_s": tokens_per_step * win_n / win_time,
-                      "bytes_sent": now.bytes_sent, "step_bytes_sent": d.bytes_sent / win_n,
-                      "comm_seconds_per_step": None,  # torchft waits inside its hook
-                      "wall": time.perf_counter() - t_start, "train_time": train_time,
-                      **stats.per_step_by_kind(d, win_n)})
-                win_time, win_loss, win_n, win_stats = 0.0, 0.0, 0, now
-            if (step + 1) % cfg.eval_every == 0 or last:
-                val_loss = evaluate(model, vbatches, cfg.dtype, info.device)
-                emit({"kind": "eval", "step": step + 1, "val_loss": val_loss,
-                      "wall": time.perf_counter() - t_start, "train_time": train_time})
-    total = stats.snapshot()
-    emit({"kind": "end", "steps": cfg.steps, "val_loss": val_loss, "train_time": train_time,
-          "wall": time.perf_counter() - t_start, "bytes_sent": total.bytes_sent,
-          "tokens_per_s": tokens_per_step * cfg.steps / max(train_time, 1e-9), "frozen_at": None,
-          "bytes_sent_by_kind": {k: o.bytes_sent for k, o in total.by_kind().items()}})
+            log.step(step, float(out.loss.detach()), time.perf_counter() - t0)
+    log.end()
     dist.barrier()  # the lighthouse (rank 0) outlives every replica's last quorum
     manager.shutdown(wait=False)
     del store, lighthouse
