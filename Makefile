@@ -6,7 +6,8 @@ PYTHON ?= python3
 # Test files run in this many processes at once (pytest-xdist, one file per process at a
 # time so module-scoped fixtures are built once): most of a test's wall time is a
 # single-threaded process start or a rank waiting on another, so two workers keep both
-# cores of a small machine busy. TEST_WORKERS=0 runs the suite in one process.
+# cores of a small machine busy. Files run heaviest first (tests/conftest.py orders them;
+# --no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
@@ -27,7 +28,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=15
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

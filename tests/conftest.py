@@ -44,8 +44,35 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+# A test file that starts processes (ranks, the CLI) costs seconds per test, a plain one
+# milliseconds: what the ordering below goes by (no timing from any one machine).
+_SPAWNS = ("run_on_ranks", "subprocess", "run_moebit", "run_ranks", "Popen")
+
+
+def _file_weight(items: list[pytest.Item]) -> tuple[int, int]:
+    slow = sum(item.get_closest_marker("slow") is not None for item in items)
+    try:
+        source = Path(str(items[0].fspath)).read_text()
+    except OSError:
+        source = ""
+    return slow, int(any(word in source for word in _SPAWNS)) * len(items)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every ``cuda``-marked test, with the reason, where no CUDA device is visible."""
+    """Heaviest files first, then skip every ``cuda``-marked test where no CUDA device is
+    visible (with the reason).
+
+    Files with slow tests, then files that start processes, run before the rest (order
+    kept within a file): under ``make test``'s two workers (``--dist loadfile
+    --no-loadscope-reorder``) the long files start early and the quick ones fill in at
+    the end, instead of one worker finishing a long file alone while the other idles.
+    """
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(str(item.fspath), []).append(item)
+    weights = {f: _file_weight(group) for f, group in by_file.items()}
+    order = sorted(by_file, key=lambda f: (-weights[f][0], -weights[f][1]))
+    items[:] = [item for f in order for item in by_file[f]]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
