@@ -15,7 +15,6 @@ import torch
 from moebit.models.family import Fits, LayerPattern
 from moebit.models.gpt import GPT, GPTConfig, gpt_ep_groups, moe_config_for
 from moebit.models.interface import CausalLM
-from moebit.models.meta import on_meta
 from moebit.models.tokenizer import ByteTokenizer, Tokenizer
 from moebit.models.upcycling import UpcycleSpec
 from moebit.moe import MoEConfig
@@ -75,7 +74,7 @@ class GPTFamily:
               dtype: torch.dtype | None = None) -> CausalLM:
         if str(device) == "meta":
             groups = gpt_ep_groups(cfg) if cfg.moe is not None and cfg.moe.ep_size > 1 else None
-            with on_meta():
+            with torch.device("meta"):
                 model = GPT(cfg, ep_groups=groups)
         else:
             model = GPT(cfg).to(device)

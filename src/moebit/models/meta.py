@@ -4,15 +4,15 @@ A meta tensor has no values, yet ``nn.Embedding``'s ``normal_`` (and other initi
 still dispatch to torch's Python reference implementations on it, and those import
 ``torch._dynamo``: seconds of a launcher's start (the memory check builds the model on
 meta) for numbers nobody reads. ``on_meta()`` is ``torch.device("meta")`` that returns
-the meta tensor untouched from every in-place initializer, except inside
-``keep_initializers()``: a sharded run records the meta build's operations to replay them
-per rank (``moebit.training.meta_init``), and the draws are what it replays.
+the meta tensor untouched from every in-place initializer: for callers that want shapes
+only. ``ModelFamily.build(cfg, device="meta")`` itself keeps its initializers, since a
+sharded run records that build's operations to replay them per rank
+(``moebit.training.meta_init``) and the draws are what it replays.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,14 +27,11 @@ _INITIALIZERS = frozenset({
 })
 
 
-_KEEP = contextvars.ContextVar("moebit_keep_initializers", default=False)
-
-
 class _NoInitOnMeta(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not _KEEP.get() and getattr(func, "__name__", "") in _INITIALIZERS:
+        if getattr(func, "__name__", "") in _INITIALIZERS:
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.is_meta:
                 return target
@@ -47,12 +44,3 @@ def on_meta() -> Iterator[None]:
     with torch.device("meta"), _NoInitOnMeta():
         yield
 
-
-@contextlib.contextmanager
-def keep_initializers() -> Iterator[None]:
-    """Inside, ``on_meta()`` runs the initializers too (on meta tensors: shapes only)."""
-    token = _KEEP.set(True)
-    try:
-        yield
-    finally:
-        _KEEP.reset(token)

@@ -34,8 +34,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from moebit.models.meta import keep_initializers
-
 _aten = torch.ops.aten
 _EMPTY = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
           _aten.new_empty.default, _aten.new_empty_strided.default}
@@ -172,7 +170,7 @@ class _Recorder(TorchDispatchMode):
 def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord]:
     """Run ``build`` (which must make its tensors on the meta device) while recording."""
     rec = _Recorder()
-    with keep_initializers(), rec:  # the draws are what the replay reproduces
+    with rec:
         model = build()
     return model, rec.record
 

@@ -28,7 +28,6 @@ from moebit.models.hf.decoder import HFDecoder, moe_config_for
 from moebit.models.hf.tokens import TOKENIZER_FILE
 from moebit.models.hf.upcycle import upcycle_into
 from moebit.models.interface import CausalLM
-from moebit.models.meta import on_meta
 from moebit.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moebit.models.upcycling import UpcycleSpec
 from moebit.moe import MoEConfig, expert_parallel_groups
@@ -108,7 +107,7 @@ class HFFamily:
               dtype: torch.dtype | None = None) -> CausalLM:
         if str(device) == "meta":
             groups = expert_parallel_groups(cfg.ep_size) if cfg.is_moe and cfg.ep_size > 1 else None
-            with on_meta():
+            with torch.device("meta"):
                 model = HFDecoder(cfg, ep_groups=groups)
         else:
             model = HFDecoder(cfg).to(device)
