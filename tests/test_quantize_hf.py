@@ -122,7 +122,8 @@ def test_generate_cli_quantizes_hf_folder(folder: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("def ")
     summary = json.loads(r.stderr.strip().splitlines()[-1])
-    assert summary["quantize"] == "int8" and "2 MoE layers" in summary["int8"]
+    assert summary["quantize"] == "int8" and "2 MoE layers" in summary["quantized"]
+    assert "int8 dense projections" in summary["quantized"]
 
 
 def test_bench_hf_decode_reports_fp32_and_int8_rows(tmp_path: Path) -> None:

@@ -385,3 +385,24 @@ def test_a_student_keeps_the_teachers_layers_and_loads_in_transformers(made, tmp
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(student(ids).logits, back(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_int8_projections_keep_the_absorbed_weight_float(made):
+    """``--quantize int8`` (scope all) on MLA: every projection but ``kv_b_proj`` (whose
+    weight the absorbed decode folds into the query) is int8, and greedy decoding still
+    runs the latent cache with logits near float32's."""
+    from moebit.inference.quantize_dense import QuantLinear, quantize_model_
+
+    _, folder, _ = made
+    ref = from_pretrained(folder).eval()
+    model = from_pretrained(folder).eval()
+    quantize_model_(model, 8, "all")
+    attn = model.blocks[0].self_attn
+    assert isinstance(attn.kv_b_proj, torch.nn.Linear) and isinstance(attn.o_proj, QuantLinear)
+    assert isinstance(attn.kv_a_proj_with_mqa, QuantLinear)
+    ids = token_ids(2, 9, seed=4)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    assert 0 < float((a - b).norm() / a.norm()) < 0.05
+    toks = generate_tokens(model, ids.tolist(), max_new_tokens=6, temperature=0).tokens
+    assert [len(t) for t in toks] == [6, 6]

@@ -130,7 +130,7 @@ def test_generate_command(moe_run: Path, tmp_path: Path, capsys: pytest.CaptureF
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["prompts"] == ["ab", "c"] and out["new_tokens"] == 10
     assert cap.out.startswith("ab" + out["texts"][0])
-    assert "int8 experts: 2 MoE layers" in cap.err
+    assert "int8 experts: 2 MoE layers" in cap.err and "int8 dense projections" in cap.err
     n = torch.get_num_threads()
     try:
         rc = main([str(moe_run), "--prompt", "ab", "--max-new-tokens", "3", "--temperature",
@@ -142,7 +142,15 @@ def test_generate_command(moe_run: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert "not a moebit run or checkpoint folder" in capsys.readouterr().err
     dense = tmp_path / "dense"
     _save_run(dense)
-    assert main([str(dense), "--prompt", "x", "--quantize", "int8"]) == 2
+    assert main([str(dense), "--prompt", "x", "--quantize", "int8", "--quantize-scope",
+                 "experts"]) == 2
     assert "holds a dense model" in capsys.readouterr().err
+    n = torch.get_num_threads()
+    try:  # the default scope quantizes a dense model's projections
+        rc = main([str(dense), "--prompt", "x", "--quantize", "int8", "--max-new-tokens", "3",
+                   "--temperature", "0", "--threads", "1"])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0 and "int8 dense projections: 9 linears" in capsys.readouterr().err
     assert main([str(moe_run)]) == 2
     assert "at least one --prompt" in capsys.readouterr().err

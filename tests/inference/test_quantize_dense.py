@@ -73,3 +73,37 @@ def test_quantize_dense_model(tiny_folder, bits):
     assert rel > 0  # something was quantized
     with pytest.raises(ValueError, match="no dense nn.Linear"):
         quantize_dense_(nn.Sequential(nn.ReLU()))
+
+
+def test_quantize_model_scopes(tiny_folder):
+    """``--quantize``'s scopes: "all" quantizes the experts and the projections, "experts"
+    the experts only; a dense model under "experts" is refused by name, and under "all"
+    its projections are quantized."""
+    from moebit.inference.quantize import QuantExperts
+    from moebit.inference.quantize_dense import quantize_model_
+    from moebit.models.gpt import GPT, GPTConfig
+    from moebit.models.hf import from_pretrained
+
+    m = from_pretrained(str(tiny_folder)).eval()
+    reports = quantize_model_(m, 8, "all")
+    assert [type(r).__name__ for r in reports] == ["QuantizeReport", "DenseQuantizeReport"]
+    assert isinstance(m.lm_head, QuantLinear)
+    assert any(isinstance(x, QuantExperts) for x in m.modules())
+    m = from_pretrained(str(tiny_folder)).eval()
+    assert len(quantize_model_(m, 4, "experts")) == 1
+    assert isinstance(m.lm_head, nn.Linear)
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16)).eval()
+    with pytest.raises(ValueError, match="--quantize-scope experts: the model is dense"):
+        quantize_model_(dense, 8, "experts")
+    with pytest.raises(ValueError, match="--quantize-scope must be one of"):
+        quantize_model_(dense, 8, "heads")
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = dense(ids).logits
+        [report] = quantize_model_(dense, 8, "all")
+        got = dense(ids).logits
+    assert report.layers == 4 * 2 + 1  # qkv, proj, fc and the MLP's proj per block; the head
+    assert sum(isinstance(x, QuantLinear) for x in dense.modules()) == report.layers
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < 0.05, rel

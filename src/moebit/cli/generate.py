@@ -33,7 +33,7 @@ from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids, generate_tokens
 from moebit.inference.loading import init_folder_of, load_model, model_config_of, resolve_checkpoint
-from moebit.inference.quantize import quantize_experts_
+from moebit.inference.quantize_dense import SCOPES, quantize_model_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
@@ -59,8 +59,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ep-size", type=int, default=0,
                     help="expert-parallel ranks (default: --nproc when the experts divide by it)")
     ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
-                    help="int8: weight-only int8 experts (per-output-channel scales); "
-                         "int4: int4 experts (one scale per 32 weights)")
+                    help="int8: weight-only int8 (per-output-channel scales); int4: one "
+                         "scale per 32 weights; what is quantized: --quantize-scope")
+    ap.add_argument("--quantize-scope", choices=SCOPES, default="all",
+                    help="all: experts and the dense projections (attention, dense MLPs, "
+                         "head); experts: the experts only")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                     help="weights and activations of the whole model")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
@@ -101,9 +104,10 @@ def _check(args: argparse.Namespace) -> int:
         for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
             print(f"moebit generate: warning: {line}", file=sys.stderr)
     counts = family_of(cfg).pattern(cfg).expert_counts
-    if args.quantize != "none" and not counts:
-        raise ValueError(f"--quantize {args.quantize} quantizes experts, and {d} holds a "
-                         f"dense model")
+    if args.quantize != "none" and args.quantize_scope == "experts" and not counts:
+        raise ValueError(f"--quantize {args.quantize} --quantize-scope experts: {d} holds a "
+                         f"dense model (no experts; --quantize-scope all quantizes its "
+                         f"projections)")
     ep = args.ep_size
     if ep == 0:
         ep = args.nproc if counts and all(e % args.nproc == 0 for e in counts) else 1
@@ -175,9 +179,9 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
         model = _load(args.checkpoint, ep, info.rank)
         tok_path = _source(args.checkpoint)[2]
         tok = load_tokenizer(tok_path) if tok_path is not None else None
-        report = None
-        if args.quantize != "none":  # before the cast: the report compares with float32 experts
-            report = quantize_experts_(model, bits=int(args.quantize[3:]))
+        reports = []
+        if args.quantize != "none":  # before the cast: the report compares with float32 weights
+            reports = quantize_model_(model, int(args.quantize[3:]), args.quantize_scope)
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
@@ -204,8 +208,9 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
                 "rank0_ms_per_step": round(1e3 * res.decode_s / max(1, res.decode_steps), 2),
                 "tokens_per_s": round(n_new / busy, 1) if busy else None,
             }
-            if report is not None:
-                summary["int8"] = str(report)
+            if reports:
+                summary["quantize_scope"] = args.quantize_scope
+                summary["quantized"] = "; ".join(map(str, reports))
             print(json.dumps(summary), file=sys.stderr)
             if args.json:
                 Path(args.json).write_text(json.dumps(

@@ -26,7 +26,7 @@ from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference.generate import eos_token_ids
 from moebit.inference.loading import init_folder_of, load_model, model_config_of, resolve_checkpoint
-from moebit.inference.quantize import quantize_experts_
+from moebit.inference.quantize_dense import SCOPES, quantize_model_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.registry import family_of, family_of_folder
@@ -63,7 +63,11 @@ def parser() -> argparse.ArgumentParser:
                     help="--engine legacy: prompt tokens prefilled per step, over all requests")
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this machine")
     ap.add_argument("--ep-size", type=int, default=0, help="expert-parallel ranks (default --nproc)")
-    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none")
+    ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                    help="weight-only int8 (per-channel scales) or int4 (per 32 weights)")
+    ap.add_argument("--quantize-scope", choices=SCOPES, default="all",
+                    help="all: experts and the dense projections (attention, dense MLPs, "
+                         "head); experts: the experts only")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     ap.add_argument("--context", type=int, default=0,
                     help="tokens of context per request (KV-cache columns per slot); 0: the "
@@ -103,9 +107,10 @@ def check(args: argparse.Namespace) -> int:
         cfg = model_config_of(read_manifest(d), d)
         fam = family_of(cfg)
     counts = fam.pattern(cfg).expert_counts
-    if args.quantize != "none" and not counts:
-        raise ValueError(f"--quantize {args.quantize} quantizes experts, and {d} holds a "
-                         f"dense model")
+    if args.quantize != "none" and args.quantize_scope == "experts" and not counts:
+        raise ValueError(f"--quantize {args.quantize} --quantize-scope experts: {d} holds a "
+                         f"dense model (no experts; --quantize-scope all quantizes its "
+                         f"projections)")
     ep = args.ep_size or args.nproc
     if ep != args.nproc:
         raise ValueError(f"--ep-size {ep} must equal --nproc {args.nproc}: rank 0 holds every "
@@ -138,7 +143,7 @@ def run_rank(args: argparse.Namespace) -> int:
     try:
         model, tokenizer = load_for_serving(args, info.rank)
         if args.quantize != "none":
-            quantize_experts_(model, bits=int(args.quantize[3:]))
+            quantize_model_(model, int(args.quantize[3:]), args.quantize_scope)
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
         if info.rank != 0:

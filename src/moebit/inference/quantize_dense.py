@@ -64,11 +64,14 @@ class DenseQuantizeReport(QuantizeReport):
 
 
 def _dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, Linear) of every Linear not inside an MoE layer."""
+    """(parent, attribute, Linear) of every Linear not inside an MoE layer. A module that
+    reads a child's ``.weight`` itself (MLA's absorbed decode folds ``kv_b_proj`` into the
+    query) names it in ``float_linears``, and it stays float."""
     inside = {id(m) for moe in model.modules() if isinstance(moe, MoE) for m in moe.modules()}
     return [(parent, name, child) for parent in model.modules() if id(parent) not in inside
             for name, child in parent.named_children()
-            if isinstance(child, nn.Linear) and id(child) not in inside]
+            if isinstance(child, nn.Linear) and id(child) not in inside
+            and name not in getattr(parent, "float_linears", ())]
 
 
 def quantize_dense_(model: nn.Module, bits: int = 8, group: int | None = None,
@@ -86,3 +89,27 @@ def quantize_dense_(model: nn.Module, bits: int = 8, group: int | None = None,
         setattr(parent, name, q)
         after += q.weight_bytes()
     return DenseQuantizeReport(len(found), before, after, bits)
+
+
+SCOPES = ("all", "experts")
+
+
+def quantize_model_(model: nn.Module, bits: int, scope: str = "all") -> list[QuantizeReport]:
+    """``--quantize`` of generate and serve, in place: the experts (if the model has any)
+    and, under ``scope="all"``, the dense projections too (attention, dense MLPs, head).
+    Returns one report per part quantized. A dense model under ``scope="experts"`` is an
+    error naming the scope."""
+    from moebit.inference.quantize import quantize_experts_
+
+    if scope not in SCOPES:
+        raise ValueError(f"--quantize-scope must be one of {SCOPES}, got {scope!r}")
+    has_experts = any(isinstance(m, MoE) for m in model.modules())
+    if scope == "experts" and not has_experts:
+        raise ValueError("--quantize-scope experts: the model is dense (no experts to "
+                         "quantize); use --quantize-scope all")
+    reports: list[QuantizeReport] = []
+    if has_experts:
+        reports.append(quantize_experts_(model, bits=bits))
+    if scope == "all":
+        reports.append(quantize_dense_(model, bits=bits))
+    return reports

@@ -112,6 +112,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(d, self.r + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, h * (self.nope + self.dv), bias=False)
+        self.float_linears = ("kv_b_proj",)  # the absorbed decode reads its weight
         self.o_proj = nn.Linear(h * self.dv, d, bias=bias)
         self.scale = softmax_scale(cfg)
 
