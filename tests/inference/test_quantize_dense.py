@@ -107,3 +107,33 @@ def test_quantize_model_scopes(tiny_folder):
     assert sum(isinstance(x, QuantLinear) for x in dense.modules()) == report.layers
     rel = float((got - want).norm() / want.norm())
     assert 0 < rel < 0.05, rel
+
+
+def test_decode_kernels_are_timed_on_streamed_copies():
+    """A choice for a few rows is timed over distinct copies of the weight (read from
+    memory, as a decode step reads it), a choice for many rows on the weight itself; the
+    copies hold their own storage and the same values."""
+    from moebit.inference.quantize import DECODE_ROWS, STREAM_BYTES, streamed_copies, tune_key
+
+    qw = qgemv.quantize_weight(torch.randn(256, 1024), 8, 0)
+    copies = streamed_copies(qw)
+    size = qw.q.numel() + qw.s.numel() * 4
+    assert copies[0] is qw and len(copies) == min(256, STREAM_BYTES // size)
+    assert len({c.q.data_ptr() for c in copies}) == len(copies)
+    assert all(torch.equal(c.q, qw.q) and torch.equal(c.s, qw.s) for c in copies)
+    assert len(streamed_copies(qw, total=1)) == 1
+    assert "|stream|" in tune_key(qw, DECODE_ROWS, torch.float32)
+
+
+def test_quant_linear_follows_a_cast_of_its_scales():
+    """``model.to(bfloat16)`` after quantizing casts the scales: the next call packs the
+    new buffers (the held QWeight is rebuilt) and still matches the float32 product."""
+    torch.manual_seed(0)
+    q = QuantLinear(nn.Linear(64, 32), bits=8)
+    x = torch.randn(2, 64)
+    want = q(x)
+    q.to(torch.bfloat16)
+    assert q.s.dtype == torch.bfloat16
+    got = q(x.to(torch.bfloat16)).float()
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    assert q._qw[1] is q.s

@@ -103,6 +103,7 @@ def _metadata(w: Any, model: Any, ftype: int) -> None:
     w.add_token_scores([0.0] * 256)
     w.add_token_types([gguf.TokenType.BYTE] * 256)
     w.add_add_bos_token(False)
+    w.add_add_space_prefix(False)  # text -> its bytes, as moebit's byte tokenizer reads it
     w.add_add_eos_token(False)
 
 

@@ -3,6 +3,7 @@
     moebit bench serve --json serve.json                       # a random MoE model
     moebit bench serve --run runs/a --clients 1 8 32 --requests 64
     moebit bench serve --hf --json serve-hf.json               # + transformers generate
+    moebit bench serve --peer llamacpp --clients 1 16 --threads 2   # against llama.cpp
 
 A load generator of its own (asyncio + httpx, streamed replies, a bounded number of
 requests, only to 127.0.0.1) drives a real ``moebit serve`` subprocess at 1, 8 and 32
@@ -42,6 +43,7 @@ import torch
 
 from moebit.bench import serve_hf
 from moebit.bench.serve_load import load, pct, workload
+from moebit.comm._native import cpu_model, select_isa
 from moebit.comm.collectives import DistInfo
 from moebit.inference.generate import generate_tokens
 from moebit.inference.loading import load_model
@@ -129,11 +131,29 @@ def main(argv: list[str] | None = None) -> int:
                     help="with a Hugging Face folder, transformers' generate as a second baseline")
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                     help="streamed replies (TTFT and inter-token latency), or whole ones")
+    ap.add_argument("--peer", choices=("none", "llamacpp"), default="none",
+                    help="llamacpp: moebit serve against llama-cpp-python's server on the "
+                         "same weights (moebit.bench.serve_llamacpp), instead of the baselines")
+    ap.add_argument("--peer-config", choices=("e8", "e64", "tiny"), default="e64",
+                    help="--peer: the byte-vocabulary Mixtral both serve (bench decode's)")
+    ap.add_argument("--peer-qtypes", nargs="+", choices=("F32", "Q8_0", "Q4_0"),
+                    default=["F32", "Q8_0"], help="--peer: GGUF types, each against moebit "
+                    "float32 / --quantize int8 / int4")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= 2000 or min(args.clients) < 1 or args.threads < 1:
         raise ValueError("--requests must lie in 1..2000, --clients and --threads be >= 1")
     torch.set_num_threads(args.threads)
+    if args.peer == "llamacpp":
+        from moebit.bench import serve_llamacpp
+
+        out = serve_llamacpp.run(args)
+        out["host"] = {"cpus": os.cpu_count(), "cpu": cpu_model(), "isa": select_isa(),
+                       "loadavg": os.getloadavg()}
+        print(json.dumps(out, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.run:
             run = Path(args.run)

@@ -115,7 +115,8 @@ async def load(url: str, jobs: list[tuple[str, int]], clients: int,
         one = _stream_client if stream else _whole_client
         await asyncio.gather(*(one(http, url, q, rec) for _ in range(clients)))
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens_per_s": rec["tokens"] / wall, "requests": len(jobs),
+    return {"wall_s": wall, "tokens_per_s": rec["tokens"] / wall, "tokens": rec["tokens"],
+            "requests": len(jobs),
             "completed": rec["done"], "lost": rec["lost"], "5xx": rec["5xx"],
             "ttft_p50_ms": pct(rec["ttft"], 50), "ttft_p99_ms": pct(rec["ttft"], 99),
             "itl_p50_ms": pct(rec["itl"], 50), "itl_p99_ms": pct(rec["itl"], 99)}

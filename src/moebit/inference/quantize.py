@@ -104,9 +104,29 @@ def _untuned(qw: QWeight, rows: int) -> str:
 
 
 def tune_key(qw: QWeight, rows: int, dtype: torch.dtype) -> str:
-    return (f"qgemm|int{qw.bits}|group={qw.group}|N={qw.n}|K={qw.k}|"
+    """The problem a choice is remembered for ("stream": measured on weights streamed
+    from memory, ``streamed_copies``)."""
+    return (f"qgemm|stream|int{qw.bits}|group={qw.group}|N={qw.n}|K={qw.k}|"
             f"{str(dtype).removeprefix('torch.')}|threads={torch.get_num_threads()}|"
             f"rows={autotune.rows_bucket(rows)}")
+
+
+STREAM_BYTES = 96 << 20  # the weights one timing pass reads: several times any L3 here
+# Blocks of up to this many rows (decode steps: the issue's 1-16) are timed streaming:
+# their kernels are bound by reading weights. More rows reuse each weight row from cache.
+DECODE_ROWS = 16
+
+
+def streamed_copies(qw: QWeight, total: int = STREAM_BYTES) -> list[QWeight]:
+    """``qw`` and copies of it, ``total`` bytes in all (at least one), for timing kernels
+    as a decode step runs them: each weight read once, from memory. Timed again and again
+    on one weight, which then sits in the cache, the candidates rank otherwise (measured:
+    ``torch._weight_int8pack_mm`` level with the native GEMV on a hot 4 MB weight, half its
+    speed when streaming)."""
+    size = qw.q.numel() * qw.q.element_size() + qw.s.numel() * qw.s.element_size()
+    n = max(1, min(256, total // max(1, size)))
+    return [qw] + [QWeight(qw.q.clone(), qw.s.clone(), qw.bits, qw.k, qw.group)
+                   for _ in range(n - 1)]
 
 
 def pick_kernel(qw: QWeight, rows: int, kernel: str = "auto",
@@ -148,19 +168,39 @@ def _run(choice: str, x_RK: torch.Tensor, qw: QWeight, s_bf16_N: torch.Tensor | 
     return torch.mm(x_RK, qgemv.dequantize_weight(qw).t().to(x_RK.dtype))
 
 
+Memo = dict  # (kernel, rows bucket, dtype, threads) -> choice: a module's, looked up first
+
+
 def quant_linear(x_RK: torch.Tensor, qw: QWeight, b_N: torch.Tensor | None,
                  kernel: str = "auto", s_bf16_N: torch.Tensor | None = None,
-                 x_bf16_RK: torch.Tensor | None = None) -> torch.Tensor:
+                 x_bf16_RK: torch.Tensor | None = None, memo: Memo | None = None,
+                 ) -> torch.Tensor:
     """``x @ dequant(qw).T (+ b)`` in x's dtype on ``kernel`` (module docstring);
-    ``x_bf16_RK``: x already in bfloat16 (a caller converting many blocks at once)."""
+    ``x_bf16_RK``: x already in bfloat16 (a caller converting many blocks at once);
+    ``memo``: the calling module's choices for this weight's shape (a decode step makes
+    dozens of these calls, and the full lookup costs about three times the native call)."""
+    rows = x_RK.shape[0]
+    key = (kernel, autotune.rows_bucket(rows), x_RK.dtype, torch.get_num_threads())
+    choice = memo.get(key) if memo is not None else None
+    if choice is None:
+        choice = _choose(x_RK, qw, kernel, s_bf16_N, x_bf16_RK)
+        if memo is not None:
+            memo[key] = choice
+    y = _run(choice, x_RK, qw, s_bf16_N, x_bf16_RK)
+    return y if b_N is None else y.add_(b_N.to(x_RK.dtype))
+
+
+def _choose(x_RK: torch.Tensor, qw: QWeight, kernel: str, s_bf16_N: torch.Tensor | None,
+            x_bf16_RK: torch.Tensor | None) -> str:
     rows = x_RK.shape[0]
     choice = pick_kernel(qw, rows, kernel, x_RK.dtype)
     if choice is None:  # auto, first block of this kind: time every candidate on it
-        runs = {c: (lambda c=c: _run(c, x_RK, qw, s_bf16_N, x_bf16_RK)) for c in candidates(qw)}
+        copies = streamed_copies(qw) if rows <= DECODE_ROWS else [qw]
+        runs = {c: (lambda c=c: [_run(c, x_RK, w, s_bf16_N, x_bf16_RK) for w in copies])
+                for c in candidates(qw)}
         choice = autotune.choose(tune_key(qw, rows, x_RK.dtype), runs,
                                  default=_untuned(qw, rows)).choice
-    y = _run(choice, x_RK, qw, s_bf16_N, x_bf16_RK)
-    return y if b_N is None else y.add_(b_N.to(x_RK.dtype))
+    return choice
 
 
 def int8_linear(x_RK: torch.Tensor, q_NK: torch.Tensor, s_N: torch.Tensor,
@@ -209,12 +249,20 @@ class QuantExperts(nn.Module):
                 self.register_buffer(f"s_{name}_bf16", None)
         self.register_buffer("b_up", None if b_up is None else b_up.detach().float().clone())
         self.register_buffer("b_down", None if b_down is None else b_down.detach().float().clone())
+        # kernel choices (quant_linear's memo): every expert of a projection has its shape
+        self._memo: dict[str, Memo] = {"up": {}, "down": {}}
+        self._qws: dict[str, tuple] = {}  # which -> (q, s, one QWeight per expert)
 
     def weight(self, which: str, e: int) -> QWeight:
-        """Expert e's "up" or "down" weight as a ``QWeight``."""
-        k = self.d_model if which == "up" else self.d_ffn
-        return as_qweight(getattr(self, f"q_{which}")[e], getattr(self, f"s_{which}")[e],
-                          self.bits, k)
+        """Expert e's "up" or "down" weight as a ``QWeight`` (made once per buffer: a
+        decode step asks for a few experts' weights in every layer)."""
+        q, s = getattr(self, f"q_{which}"), getattr(self, f"s_{which}")
+        held = self._qws.get(which)
+        if held is None or held[0] is not q or held[1] is not s:  # first use, or .to()
+            k = self.d_model if which == "up" else self.d_ffn
+            held = (q, s, [as_qweight(q[i], s[i], self.bits, k) for i in range(q.shape[0])])
+            self._qws[which] = held
+        return held[2][e]
 
     def weight_bytes(self) -> int:
         """Bytes a decode step's kernels can read: packed weights, float32 scales, biases."""
@@ -241,10 +289,12 @@ class QuantExperts(nn.Module):
             start += n
             xb = x_bf16[r] if x_bf16 is not None else None
             hpre = quant_linear(x_ND[r], self.weight("up", e), None if bu is None else bu[e],
-                                self.kernel, None if su is None else su[e], xb)
+                                self.kernel, None if su is None else su[e], xb,
+                                self._memo["up"])
             h = act_new(self.act, hpre)[0]
             out_ND[r] = quant_linear(h, self.weight("down", e), None if bd is None else bd[e],
-                                     self.kernel, None if sd is None else sd[e])
+                                     self.kernel, None if sd is None else sd[e],
+                                     memo=self._memo["down"])
         return out_ND
 
     def _takes_int8(self, e: int, rows: int, dtype: torch.dtype) -> bool:

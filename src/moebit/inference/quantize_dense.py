@@ -37,6 +37,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("q", qw.q)
         self.register_buffer("s", qw.s.squeeze(-1) if (bits, group) == (8, 0) else qw.s)
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().float().clone())
+        self._memo: dict = {}  # kernel choices (quant_linear's memo)
+        self._qw: tuple = (None, None, None)  # (q, s, their QWeight): rebuilt after .to()
 
     def weight_bytes(self) -> int:
         ts = (self.q, self.s, self.bias)
@@ -44,9 +46,12 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qw = as_qweight(self.q, self.s, self.bits, self.in_features)
+        q, s, qw = self._qw
+        if q is not self.q or s is not self.s:  # first call, or .to() made new buffers
+            qw = as_qweight(self.q, self.s, self.bits, self.in_features)
+            self._qw = (self.q, self.s, qw)
         x_RK = x.reshape(-1, self.in_features)
-        y = quant_linear(x_RK, qw, self.bias, self.kernel)
+        y = quant_linear(x_RK, qw, self.bias, self.kernel, memo=self._memo)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,199 @@
+"""``moebit bench serve --peer llamacpp``: moebit's server against llama.cpp's, same weights.
+
+    moebit bench serve --peer llamacpp --peer-config e64 --clients 1 8 16 --threads 2
+
+One random Mixtral-style folder with a byte vocabulary (``moebit bench decode``'s
+configurations, ``decode.build_folder``) is served two ways over HTTP on 127.0.0.1:
+
+- ``moebit serve FOLDER`` (continuous batching), float32 or ``--quantize int8|int4``;
+- llama-cpp-python's OpenAI-compatible server (``python -m llama_cpp.server``, the
+  optional ``llamacpp`` extra with its server dependencies) on GGUF files written from
+  the same weights (``gguf_convert``): F32 against moebit float32, Q8_0 against int8,
+  Q4_0 against int4.
+
+Both tokenize a prompt to its bytes: the folder gets a ``tokenizer.json`` whose token i is
+byte i (``byte_tokenizer``), and the GGUF file's SentencePiece byte tokens ``<0xNN>`` with
+no space prefix and no BOS give llama.cpp the same ids. Both get the same threads, the
+same requests (``serve_load.workload``) from the same closed-loop load generator, greedy,
+whole replies (``stream: false``: each reply's ``usage`` counts its tokens, which llama.cpp's
+streamed chunks do not carry), and run interleaved, rep by rep.
+
+What each server does with concurrent requests is part of the measurement:
+llama-cpp-python 0.3.x's server holds one ``Llama`` context and serves one completion at
+a time (a lock around the model), so its throughput stays that of batch-1 decoding at any
+client count, while moebit's engine decodes every running request in one forward. A
+llama.cpp GGUF's vocabulary has an end-of-text id (byte 2 by default), so its replies may
+end early; tokens/s counts the tokens each reply carried, and the rows give the mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from moebit.bench.serve_load import load, workload
+from moebit.testing import free_port
+
+PAIRS = {"F32": "none", "Q8_0": "int8", "Q4_0": "int4"}  # GGUF type -> moebit --quantize
+
+
+def available() -> str | None:
+    """None when llama-cpp-python's server imports; else why not."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError as e:
+        return (f"the llama.cpp server peer needs the 'llamacpp' extra with llama-cpp-python's "
+                f"server dependencies (pip install 'moebit[llamacpp]'): {e}")
+    return None
+
+
+def byte_tokenizer(folder: Path) -> Path:
+    """A ``tokenizer.json`` in ``folder`` whose token i is byte i (256 tokens, no merges,
+    no special tokens): what the byte-vocabulary benchmark folders need to be served."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
+    tok = Tokenizer(models.BPE(vocab={ch: _byte_of(ch) for ch in alphabet}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def _byte_of(ch: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode)."""
+    o = ord(ch)
+    if 33 <= o <= 126 or 161 <= o <= 172 or 174 <= o <= 255:
+        return o
+    low = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+    return low[o - 256]
+
+
+def _wait(url: str, proc: subprocess.Popen, what: str, path: str) -> None:
+    for _ in range(900):
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"{what} did not start (exit code {proc.poll()})")
+
+
+def start_llamacpp(gguf: Path, threads: int, n_ctx: int) -> tuple[subprocess.Popen, str]:
+    """llama-cpp-python's server on ``gguf`` at a free 127.0.0.1 port."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+         "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+         "--n_ctx", str(n_ctx), "--n_batch", "512", "--verbose", "False"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait(url, proc, "llama_cpp.server", "/v1/models")
+    return proc, url
+
+
+def start_moebit(folder: Path, threads: int, quantize: str, max_batch: int,
+                 context: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moebit.cli", "serve", str(folder), "--port", str(port),
+         "--threads", str(threads), "--quantize", quantize, "--max-batch", str(max_batch),
+         "--max-queue", "1024", "--context", str(context)])
+    url = f"http://127.0.0.1:{port}"
+    _wait(url, proc, "moebit serve", "/health")
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _first_text(url: str) -> str:
+    """One greedy reply to a fixed prompt (the agreement check between the servers)."""
+    r = httpx.post(url + "/v1/completions", timeout=300,
+                   json={"prompt": "def main():", "max_tokens": 16, "temperature": 0})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def run(args: Any) -> dict[str, Any]:
+    """Every (GGUF type, client count) row, servers started once per type."""
+    import tempfile
+
+    from moebit.bench.decode import build_folder
+    from moebit.bench.gguf_convert import write_gguf
+    from moebit.models.hf import from_pretrained
+
+    why = available()
+    if why is not None:
+        raise RuntimeError(why)
+    context = 512
+    out: dict[str, Any] = {"config": args.peer_config, "threads": args.threads,
+                           "clients": args.clients, "requests": args.requests,
+                           "reps": args.reps, "stream": False, "rows": {}}
+    with tempfile.TemporaryDirectory(prefix="moebit-bench-serve-llamacpp-") as tmp:
+        folder = Path(tmp) / args.peer_config
+        build_folder(args.peer_config, folder)
+        byte_tokenizer(folder)
+        model = from_pretrained(str(folder))
+        for qtype in args.peer_qtypes:
+            gguf = write_gguf(model, Path(tmp) / f"model-{qtype}.gguf", qtype)
+            ours, ours_url = start_moebit(folder, args.threads, PAIRS[qtype], args.max_batch,
+                                          context)
+            try:
+                theirs, theirs_url = start_llamacpp(gguf, args.threads, context)
+                try:
+                    out["rows"][qtype] = _measure(args, ours_url, theirs_url)
+                    a, b = _first_text(ours_url), _first_text(theirs_url)
+                    out["rows"][qtype]["greedy_agreement"] = {
+                        "moebit": a, "llamacpp": b,
+                        "first_byte_equal": bool(a and b and a[0] == b[0])}
+                finally:
+                    _stop(theirs)
+            finally:
+                _stop(ours)
+            print(f"serve vs llama.cpp {qtype}: " + json.dumps(
+                {c: r["tokens_per_s_ratio"] for c, r in out["rows"][qtype]["clients"].items()}),
+                file=sys.stderr, flush=True)
+    return out
+
+
+def _measure(args: Any, ours: str, theirs: str) -> dict[str, Any]:
+    urls = {"moebit": ours, "llamacpp": theirs}
+    for url in urls.values():  # warm-up: first requests build kernels and caches
+        asyncio.run(load(url, workload(4, seed=99), 2, stream=False))
+    reps: dict[int, dict[str, list[dict]]] = {c: {k: [] for k in urls} for c in args.clients}
+    for rep in range(args.reps):
+        for c in args.clients:
+            jobs = workload(min(2000, max(args.requests, 4 * c)), seed=rep)
+            for name, url in urls.items():
+                rec = asyncio.run(load(url, jobs, c, stream=False))
+                rec["mean_tokens_per_reply"] = round(rec["tokens"] / max(1, rec["completed"]), 1)
+                reps[c][name].append(rec)
+    rows = {}
+    for c, r in reps.items():
+        med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in r.items()}
+        rows[str(c)] = {
+            **{f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()},
+            "tokens_per_s_ratio": round(med["moebit"] / med["llamacpp"], 2),
+            **{f"{k}_last": v[-1] for k, v in r.items()},
+        }
+    return {"clients": rows}
