@@ -141,3 +141,20 @@ def test_bench_hf_decode_reports_fp32_and_int8_rows(tmp_path: Path) -> None:
             res[f"hf_decode_ms_b{b}"] / res[f"moebit_int8_decode_ms_b{b}"], rel=0.02)
     assert 0 < res["int8_logits_rel_diff"] < 0.05 and res["int8_argmax_agree"] > 0.5
     assert "2 MoE layers" in res["int8_report"]
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])
+def test_bench_hf_runs_the_new_families(family: str, tmp_path: Path) -> None:
+    """``moebit bench hf --family`` builds each family's own shape with transformers and
+    times its training and decode rows against the same weights in moebit."""
+    from moebit.bench.hf import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--family", family, "--experts", "4", "--d-model", "128", "--d-ffn", "32",
+                 "--layers", "2", "--heads", "2", "--batch", "1", "--seq", "16", "--reps", "1",
+                 "--decode-steps", "2", "--decode-batch", "1", "--threads", "1",
+                 "--skip", "load", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["moebit_fp32_decode_ms_b1"] > 0 and res["hf_decode_ms_b1"] > 0
+    assert 0 < res["int8_logits_rel_diff"] < 0.1
+    assert res["moebit_fwd_bwd_ms"] > 0 and res["hf_fwd_bwd_ms"] > 0

@@ -93,3 +93,22 @@ def test_bench_decode_peer_llamacpp(tmp_path):
     assert b1["llamacpp_F32"]["agree_with_moebit_fp32"]["first_token"]
     assert b1["moebit_int8"]["tokens_per_s_vs_llamacpp_Q8_0"] > 0
     assert b1["moebit_int4"]["tokens_per_s_vs_llamacpp_Q4_0"] > 0
+
+
+def test_llamacpp_reads_any_text_as_its_bytes(tiny, tmp_path):
+    """The GGUF vocabulary (GPT-2's byte-level BPE alphabet, one merge that yields no
+    token) makes llama.cpp's tokenizer the identity on bytes, as moebit's byte
+    tokenizer is: spaces, newlines, control bytes, multi-byte UTF-8 and the merged pair."""
+    from moebit.bench.decode_llamacpp import open_llama
+    from moebit.bench.gguf_convert import write_gguf
+
+    _, model = tiny
+    llm = open_llama(write_gguf(model, tmp_path / "f.gguf", "F32"), 1, 64)
+    try:
+        for text in ("def main():\n    x = 'é'  ~~~ ~ ~~",
+                     "".join(chr(i) for i in range(1, 128)), "é中😀 \t\r\n"):
+            ids = llm.tokenize(text.encode(), add_bos=False, special=False)
+            assert ids == list(text.encode())
+            assert llm.detokenize(ids) == text.encode()
+    finally:
+        llm.close()

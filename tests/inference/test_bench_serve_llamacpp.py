@@ -15,7 +15,14 @@ from moebit.models.tokenizer import HFTokenizer
 
 
 def test_byte_tokenizer_is_the_identity_on_bytes(tmp_path):
+    """Token i is byte i, in the same alphabet the GGUF files hold."""
+    import json
+
+    from moebit.bench.gguf_convert import byte_level_alphabet
+
     byte_tokenizer(tmp_path)
+    vocab = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab == {ch: i for i, ch in enumerate(byte_level_alphabet())}
     tok = HFTokenizer.from_folder(tmp_path)
     text = "def f(x):\n    return 'é' + \"\\t\"  "
     assert tok.encode(text) == list(text.encode("utf-8"))
@@ -45,4 +52,4 @@ def test_serve_against_llamacpp_server_on_tiny(tmp_path):
         for side in ("moebit_last", "llamacpp_last"):
             assert row[side]["completed"] == row[side]["requests"] == 4 * int(c)
             assert row[side]["5xx"] == 0 and row[side]["lost"] == 0
-    assert rows["greedy_agreement"]["first_byte_equal"]
+    assert rows["greedy_agreement"]["same_text"]  # same prompt ids, F32 logits alike

@@ -13,8 +13,8 @@ architecture, which is what the script writes for Mixtral:
 - experts stacked [E, F, d] as ``ffn_gate_exps`` / ``ffn_up_exps`` and [E, d, F] as
   ``ffn_down_exps``; the router ``ffn_gate_inp`` and every norm stay F32 (as the script
   keeps them), every other matrix takes the file's type;
-- a byte vocabulary: 256 SentencePiece byte tokens ``<0x00>`` .. ``<0xFF>``, so token i is
-  byte i as in moebit's byte-level folders (the benchmark feeds token ids, never text).
+- a byte vocabulary: GPT-2's byte-level BPE alphabet with no merges, so token i is byte i
+  as in moebit's byte-level folders, for token ids and text alike.
 """
 
 from __future__ import annotations
@@ -26,6 +26,20 @@ import numpy as np
 import torch
 
 QTYPES = ("F32", "Q8_0", "Q4_0")
+
+
+def byte_level_alphabet() -> list[str]:
+    """The 256 characters GPT-2's byte-level BPE writes for bytes 0..255, in byte order
+    (printable bytes stand for themselves, the others for U+0100 onwards)."""
+    kept = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
 
 
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -98,12 +112,18 @@ def _metadata(w: Any, model: Any, ftype: int) -> None:
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(ftype)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<0x{i:02X}>" for i in range(256)])
-    w.add_token_scores([0.0] * 256)
-    w.add_token_types([gguf.TokenType.BYTE] * 256)
+    # GPT-2's byte-level BPE with no merges: llama.cpp then reads any text as its bytes
+    # (token i = byte i, moebit's byte vocabulary), where a SentencePiece vocabulary of
+    # byte tokens would first turn each space into "\u2581" and that into three bytes
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_level_alphabet())
+    w.add_token_types([gguf.TokenType.NORMAL] * 256)
+    # llama.cpp refuses a BPE vocabulary without merges, and the writer drops an empty
+    # list: one merge of two ASCII bytes, whose result is no token, so that llama.cpp
+    # falls back to the two bytes' own tokens and every text still reads as its bytes
+    w.add_token_merges(["~ ~"])
     w.add_add_bos_token(False)
-    w.add_add_space_prefix(False)  # text -> its bytes, as moebit's byte tokenizer reads it
     w.add_add_eos_token(False)
 
 

@@ -8,6 +8,14 @@ the benchmark's size, in the family's own shape.
   128-token sliding window and full attention (each with sinks), yarn RoPE, biased router
   and experts, the clamped SwiGLU. transformers runs its eager attention for it (gpt-oss
   does not support SDPA there: ``_supports_sdpa = False``) and grouped_mm experts.
+- ``glm4_moe``: GLM-4.5's proportions: heads of 64 dimensions (``--heads``, a quarter as
+  many key/value heads), half of each head rotated, attention biases and q/k norms, a dense
+  first layer (width 3 ``--d-ffn``), then ``noaux_tc`` routing (sigmoid scores with a
+  selection bias, ``routed_scaling_factor`` 2.5) to top-4 experts of width ``--d-ffn``
+  beside one shared expert.
+- ``minimax_m2``: MiniMax-M2's: heads of 64 dimensions, a quarter as many key/value
+  heads, q/k norms over all heads, half of each head rotated (``rotary_dim``), sigmoid
+  routing with a selection bias to top-4 Mixtral-style experts of width ``--d-ffn``.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-FAMILIES = ("mixtral", "gpt_oss")
+FAMILIES = ("mixtral", "gpt_oss", "glm4_moe", "minimax_m2")
 
 
 def family_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
@@ -27,6 +35,19 @@ def family_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
         return "gpt_oss", dict(common, intermediate_size=args.d_model, head_dim=64,
                                num_attention_heads=heads, num_key_value_heads=max(heads // 8, 1),
                                num_experts_per_tok=4, sliding_window=128), "eager"
+    if args.family in ("glm4_moe", "minimax_m2"):
+        heads = dict(num_attention_heads=args.heads, num_key_value_heads=max(args.heads // 4, 1),
+                     head_dim=64, num_experts_per_tok=4)
+        if args.family == "glm4_moe":
+            del common["num_local_experts"]
+            return "glm4_moe", dict(common, **heads, n_routed_experts=args.experts,
+                                    moe_intermediate_size=args.d_ffn,
+                                    intermediate_size=3 * args.d_ffn, n_shared_experts=1,
+                                    first_k_dense_replace=1, n_group=1, topk_group=1,
+                                    routed_scaling_factor=2.5, attention_bias=True,
+                                    use_qk_norm=True, partial_rotary_factor=0.5), "sdpa"
+        return "minimax_m2", dict(common, **heads, intermediate_size=args.d_ffn,
+                                  rotary_dim=32, use_qk_norm=True), "sdpa"
     return "mixtral", dict(common, intermediate_size=args.d_ffn, num_attention_heads=args.heads,
                            num_key_value_heads=args.heads, num_experts_per_tok=2), "sdpa"
 
@@ -39,3 +60,6 @@ def spread_parameters(model: Any) -> None:
         for n, p in model.named_parameters():
             if n.endswith(("gate.weight", "router.weight")):
                 p.normal_(0, 0.02)
+        for n, b in model.named_buffers():  # GLM / MiniMax: the selection bias picks experts
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.01)
