@@ -14,6 +14,14 @@ from moebit.bench.serve_llamacpp import available, byte_tokenizer
 from moebit.models.tokenizer import HFTokenizer
 
 
+def test_agreement_of_replies_that_differ_only_in_undecodable_bytes():
+    from moebit.bench.serve_llamacpp import agreement
+
+    assert agreement("a\ufffdb\ufffd", "ab")["agree"]
+    assert agreement("ab\ufffd", "abc")["agree"]  # llama.cpp decoded on to a whole character
+    assert not agreement("ab", "ac")["agree"]
+
+
 def test_byte_tokenizer_is_the_identity_on_bytes(tmp_path):
     """Token i is byte i, in the same alphabet the GGUF files hold."""
     import json
@@ -52,4 +60,5 @@ def test_serve_against_llamacpp_server_on_tiny(tmp_path):
         for side in ("moebit_last", "llamacpp_last"):
             assert row[side]["completed"] == row[side]["requests"] == 4 * int(c)
             assert row[side]["5xx"] == 0 and row[side]["lost"] == 0
-    assert rows["greedy_agreement"]["same_text"]  # same prompt ids, F32 logits alike
+    agree = rows["greedy_agreement"]  # same prompt ids, F32 logits alike
+    assert agree["agree"] and agree["compared_chars"] >= 4, agree

@@ -19,6 +19,7 @@ same weights. Then, interleaved rep by rep so that a busy host slows both alike:
 
     moebit bench hf --experts 16 --reps 3
     moebit bench hf --family gpt_oss --experts 16 --layers 4   # gpt-oss's own shape
+    moebit bench hf --family glm4_moe --d-ffn 256              # GLM-4.5's (also minimax_m2)
     moebit bench hf --family deepseek_v3     # MLA: + KV-cache bytes, decode at 1k/4k context
 
 ``--family deepseek_v3`` replaces the Mixtral by a small DeepSeek-V3 of the family's own

@@ -14,7 +14,8 @@ configurations, ``decode.build_folder``) is served two ways over HTTP on 127.0.0
 Both tokenize a prompt to its bytes: the folder gets a ``tokenizer.json`` whose token i is
 byte i (``byte_tokenizer``), and the GGUF files hold the same vocabulary (GPT-2's byte-level
 BPE alphabet, no merges, no BOS), so llama.cpp reads the same ids. Both get the same threads, the
-same requests (``serve_load.workload``) from the same closed-loop load generator, greedy,
+same requests (``serve_load.workload``) from the same closed-loop load generator, plain
+greedy (llama-cpp-python's default repetition penalty of 1.1 set to 1.0),
 whole replies (``stream: false``: each reply's ``usage`` counts its tokens, which llama.cpp's
 streamed chunks do not carry), and run interleaved, rep by rep.
 
@@ -44,6 +45,9 @@ from moebit.bench.serve_load import load, workload
 from moebit.testing import free_port
 
 PAIRS = {"F32": "none", "Q8_0": "int8", "Q4_0": "int4"}  # GGUF type -> moebit --quantize
+# llama-cpp-python's server applies a repetition penalty of 1.1 by default; plain greedy
+# decoding (moebit's) is 1.0
+PLAIN_GREEDY = {"llamacpp": {"repeat_penalty": 1.0}, "moebit": {}}
 
 
 def available() -> str | None:
@@ -121,12 +125,21 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def _first_text(url: str) -> str:
+def _first_text(url: str, extra: dict) -> str:
     """One greedy reply to a fixed prompt (the agreement check between the servers)."""
     r = httpx.post(url + "/v1/completions", timeout=300,
-                   json={"prompt": "def main():", "max_tokens": 16, "temperature": 0})
+                   json={"prompt": "def main():", "max_tokens": 16, "temperature": 0, **extra})
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
+
+
+def agreement(ours: str, theirs: str) -> dict[str, Any]:
+    """Whether two greedy replies agree: moebit writes an undecodable byte as U+FFFD and
+    llama-cpp-python drops it (and decodes on until its text ends a character), so the
+    decodable text of one must begin the other's."""
+    a, b = ours.replace("\ufffd", ""), theirs
+    return {"moebit": ours, "llamacpp": theirs, "compared_chars": min(len(a), len(b)),
+            "agree": a.startswith(b) or b.startswith(a)}
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -154,14 +167,14 @@ def run(args: Any) -> dict[str, Any]:
             ours, ours_url = start_moebit(folder, args.threads, PAIRS[qtype], args.max_batch,
                                           context)
             try:
-                theirs, theirs_url = start_llamacpp(gguf, args.threads, context)
+                # llama-cpp-python decodes on past max_tokens while its text ends inside
+                # a UTF-8 sequence (random weights write many): room for that
+                theirs, theirs_url = start_llamacpp(gguf, args.threads, 4 * context)
                 try:
                     out["rows"][qtype] = _measure(args, ours_url, theirs_url)
-                    a, b = _first_text(ours_url), _first_text(theirs_url)
-                    # moebit writes an undecodable byte as U+FFFD, llama-cpp-python drops it
-                    out["rows"][qtype]["greedy_agreement"] = {
-                        "moebit": a, "llamacpp": b,
-                        "same_text": a.replace("\ufffd", "") == b}
+                    a = _first_text(ours_url, PLAIN_GREEDY["moebit"])
+                    b = _first_text(theirs_url, PLAIN_GREEDY["llamacpp"])
+                    out["rows"][qtype]["greedy_agreement"] = agreement(a, b)
                 finally:
                     _stop(theirs)
             finally:
@@ -174,14 +187,14 @@ def run(args: Any) -> dict[str, Any]:
 
 def _measure(args: Any, ours: str, theirs: str) -> dict[str, Any]:
     urls = {"moebit": ours, "llamacpp": theirs}
-    for url in urls.values():  # warm-up: first requests build kernels and caches
-        asyncio.run(load(url, workload(4, seed=99), 2, stream=False))
+    for name, url in urls.items():  # warm-up: first requests build kernels and caches
+        asyncio.run(load(url, workload(4, seed=99), 2, False, PLAIN_GREEDY[name]))
     reps: dict[int, dict[str, list[dict]]] = {c: {k: [] for k in urls} for c in args.clients}
     for rep in range(args.reps):
         for c in args.clients:
             jobs = workload(min(2000, max(args.requests, 4 * c)), seed=rep)
             for name, url in urls.items():
-                rec = asyncio.run(load(url, jobs, c, stream=False))
+                rec = asyncio.run(load(url, jobs, c, False, PLAIN_GREEDY[name]))
                 rec["mean_tokens_per_reply"] = round(rec["tokens"] / max(1, rec["completed"]), 1)
                 reps[c][name].append(rec)
     rows = {}

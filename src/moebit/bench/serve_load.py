@@ -44,13 +44,14 @@ def pct(xs: list[float], q: int) -> float | None:
     return round(1e3 * s[min(len(s) - 1, int(len(s) * q / 100))], 2)
 
 
-async def _whole_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict) -> None:
+async def _whole_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict,
+                        extra: dict) -> None:
     """Whole replies (``stream: false``): throughput only, no per-token timings."""
     while not jobs.empty():
         prompt, n = jobs.get_nowait()
         try:
             r = await http.post(url + "/v1/completions", json={
-                "prompt": prompt, "max_tokens": n, "temperature": 0})
+                "prompt": prompt, "max_tokens": n, "temperature": 0, **extra})
         except httpx.HTTPError:
             rec["lost"] += 1
             continue
@@ -79,7 +80,8 @@ def _events(buf: bytes, rec: dict, times: list[float], now: float) -> tuple[byte
     return rest, done
 
 
-async def _stream_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict) -> None:
+async def _stream_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue, rec: dict,
+                         extra: dict) -> None:
     while not jobs.empty():
         prompt, n = jobs.get_nowait()
         t0 = time.perf_counter()
@@ -87,7 +89,8 @@ async def _stream_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue,
         status, done, buf = 0, False, b""
         try:
             async with http.stream("POST", url + "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}) as r:
+                    "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                    **extra}) as r:
                 status = r.status_code
                 async for data in r.aiter_raw():
                     buf, end = _events(buf + data, rec, times, time.perf_counter())
@@ -104,8 +107,9 @@ async def _stream_client(http: httpx.AsyncClient, url: str, jobs: asyncio.Queue,
 
 
 async def load(url: str, jobs: list[tuple[str, int]], clients: int,
-               stream: bool = True) -> dict[str, Any]:
-    """Send ``jobs`` from ``clients`` concurrent clients; throughput and latency figures."""
+               stream: bool = True, extra: dict | None = None) -> dict[str, Any]:
+    """Send ``jobs`` from ``clients`` concurrent clients; throughput and latency figures.
+    ``extra``: fields added to every request (a peer server's own sampling settings)."""
     q: asyncio.Queue = asyncio.Queue()
     for j in jobs:
         q.put_nowait(j)
@@ -113,7 +117,7 @@ async def load(url: str, jobs: list[tuple[str, int]], clients: int,
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients)) as http:
         one = _stream_client if stream else _whole_client
-        await asyncio.gather(*(one(http, url, q, rec) for _ in range(clients)))
+        await asyncio.gather(*(one(http, url, q, rec, extra or {}) for _ in range(clients)))
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens_per_s": rec["tokens"] / wall, "tokens": rec["tokens"],
             "requests": len(jobs),
