@@ -154,18 +154,26 @@ def test_ep2_matches_one_process(made, tmp_path):
         torch.testing.assert_close(back(token_ids(2, 9, seed=5)).logits, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", sorted(NEW))
-def test_train_init_from_and_export(family, tmp_path):
+@pytest.mark.parametrize(("family", "optimizer"), [("glm4_moe", "onebit_adam"),
+                                                   ("minimax_m2", "zero_one_adam")])
+def test_train_init_from_ep2_resume_and_export(family, optimizer, tmp_path):
+    """``train --init-from`` on 2 ranks with ep 2 and a 1-bit optimizer, ``--resume`` to a
+    later step, then ``export``: transformers reads the trained folder."""
     src = tmp_path / "hf"
     make_new_model(family, src, vocab_size=320)
     train_tokenizer(src)
     run = tmp_path / "run"
     r = run_moebit(["train", "--init-from", str(src), "--data", str(text_corpus(tmp_path, 20000)),
-                    "--block-size", "32", "--batch-size", "2", "--threads", "1", "--steps", "3",
-                    "--eval-every", "3", "--eval-batches", "1", "--dtype", "fp32",
-                    "--warmup-steps", "1", "--samples", "0", "--save-every", "3",
+                    "--block-size", "32", "--batch-size", "2", "--threads", "1", "--steps", "2",
+                    "--nproc", "2", "--ep-size", "2", "--optimizer", optimizer,
+                    "--eval-every", "2", "--eval-batches", "1", "--dtype", "fp32",
+                    "--warmup-steps", "1", "--samples", "0", "--save-every", "2",
                     "--run-dir", str(run)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    r = run_moebit(["train", "--resume", str(run), "--steps", "3", "--nproc", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ends = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["steps"] for e in ends if e["kind"] == "end"][-1] == 3
     r = run_moebit(["export", str(run), "--to", str(tmp_path / "out")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     orig = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
