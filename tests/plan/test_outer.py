@@ -113,3 +113,35 @@ def test_bad_outer_settings_are_one_line_errors(flags, message, capsys):
     assert err.startswith("moebit plan: error: ") and message in err and "\n" not in err
     with pytest.raises(SpecError, match="outer_group"):
         OuterSetup(group="rack").check("diloco")
+
+
+def test_sharding_inside_the_nodes_divides_each_ranks_outer_bytes():
+    """``--outer-shard fsdp``: a rank holds 1/g of the parameters (dense and experts, with
+    ep inside the node), so its sync sends 1/g of the bytes, and so do the node's g ranks
+    together across the slow link (replicated, each sends the whole model); the inner
+    exchange becomes FSDP2's gathers and reduce-scatter (1.5x an allreduce's bytes)."""
+    s = Setup(micro_batch=2, steps=100, seq_len=32)
+    four = ClusterSpec(nodes=2, devices_per_node=4, intra_bw=10e9, intra_lat=0.0,
+                       inter_bw=100e6 / 8, inter_lat=1e-4, flops=1e10, pack_rate=1e9,
+                       update_rate=1e9)
+    rep = predict_outer(TINY, four, s, "diloco", OuterSetup(every=10))
+    fsdp = predict_outer(TINY, four, s, "diloco", OuterSetup(every=10, shard="fsdp"))
+    n = TINY.total_params()
+    assert rep["outer"]["held_params_per_rank"] == n and fsdp["outer"]["shard"] == "fsdp"
+    assert fsdp["outer"]["held_params_per_rank"] == -(-n // 4)
+    assert fsdp["outer"]["bytes_per_sync"] == pytest.approx(rep["outer"]["bytes_per_sync"] / 4,
+                                                            rel=1e-3)
+    assert fsdp["outer"]["inter_node_bytes_per_token"] == pytest.approx(
+        rep["outer"]["inter_node_bytes_per_token"] / 4, rel=1e-3)
+    assert fsdp["bytes_per_step"]["exact"] == pytest.approx(
+        1.5 * rep["bytes_per_step"]["exact"], rel=1e-3)
+    from moebit.plan.presets import preset
+
+    moe = preset("gpt-350m-moe128")  # ep 2 inside a node of 4: efsdp groups of 2
+    m = predict_outer(moe, four, Setup(micro_batch=2, steps=100, ep_size=2), "diloco",
+                      OuterSetup(every=10, shard="fsdp"))
+    assert m["outer"]["held_params_per_rank"] == pytest.approx(moe.total_params() / 4, rel=1e-3)
+    with pytest.raises(SpecError, match="outer_shard: fsdp shards inside a node"):
+        OuterSetup(group="world", shard="fsdp").check("diloco")
+    with pytest.raises(SpecError, match="outer_shard: 'hsdp' is not none or fsdp"):
+        OuterSetup(shard="hsdp").check("diloco")

@@ -21,6 +21,14 @@ worker and syncs every H inner steps, as ``moebit train --outer`` does
                   the next D inner steps (``--outer-delay``), the rest blocks training
     per step    = inner step + F x exposed / H (F fragment syncs every H steps)
 
+With ``--outer-shard fsdp`` (``--shard fsdp`` under ``--outer-group node``, as ``moebit
+train`` composes them) each node's ranks shard its parameters with FSDP2: a rank holds
+1/g of the dense parameters and 1/g of all experts (ep x efsdp inside the node), its
+inner exchange is an all-gather of each weight in forward and again in backward plus a
+reduce-scatter of the gradients over the node, and the outer step syncs only the rank's
+shards. Replicated, each of a node's g ranks syncs the whole model over the node link (g
+copies); sharded, each syncs its 1/g, so the bytes crossing the link fall g-fold.
+
 Peak bytes per step is one fragment's sync (fragments start at offsets i*H/F, so no two
 start at the same step when F <= H): 1/F of DiLoCo's. Fragments are priced as equal
 slices of the held parameters; moebit cuts them at block boundaries, so a real fragment
@@ -51,6 +59,7 @@ class OuterSetup:
     delay: int = 0  # D
     group: str = "node"  # node | world
     int8_block: int = 256
+    shard: str = "none"  # none | fsdp: parameters sharded inside each node (group node)
 
     def fragments_for(self, optimizer: str) -> int:
         if optimizer == "diloco":
@@ -67,6 +76,12 @@ class OuterSetup:
                             f"{', '.join(COMPRESSIONS)}")
         if self.group not in ("node", "world"):
             raise SpecError(f"setup.outer_group: {self.group!r} is not node or world")
+        if self.shard not in ("none", "fsdp"):
+            raise SpecError(f"setup.outer_shard: {self.shard!r} is not none or fsdp")
+        if self.shard == "fsdp" and self.group != "node":
+            raise SpecError("setup.outer_shard: fsdp shards inside a node, so it needs "
+                            "outer_group node (moebit train refuses --shard fsdp with "
+                            "--outer-group world)")
         f = self.fragments_for(optimizer)
         if f > self.every:
             raise SpecError(f"setup.outer_fragments: {f} fragments do not fit in "
@@ -117,12 +132,20 @@ def predict_outer(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
     tokens = s.micro_batch * seq
     experts = model.expert_total_params() // s.ep_size
     dense = model.dense_params()
+    outer, inner, inner_exp = outer_groups(c, o.group, s.ep_size)
+    sharded = o.shard == "fsdp" and inner is not None and inner.size > 1
+    if sharded:  # a rank's shards: 1/g of the dense weights, 1/(g/ep) of its ep rank's experts
+        dense, experts = -(-dense // inner.size), -(-experts * s.ep_size // inner.size)
     passes = model.train_flops_per_token() * tokens / c.flops
     compute = passes * s.grad_accum + (dense + experts) / c.update_rate
-    outer, inner, inner_exp = outer_groups(c, o.group, s.ep_size)
     a2a_t, a2a_b = (x * s.grad_accum for x in _a2a(c, model, s, tokens))
     inner_t = inner_b = 0.0
-    if inner is not None:
+    if sharded:
+        inner_t, inner_b = _fsdp_step(c, inner, dense, s.grad_bytes, s.grad_accum)
+        if experts and inner_exp is not None:
+            et, eb = _fsdp_step(c, inner_exp, experts, s.grad_bytes, s.grad_accum)
+            inner_t, inner_b = inner_t + et, inner_b + eb
+    elif inner is not None:
         inner_t, inner_b = _bucketed_allreduce(c, inner, dense * s.grad_bytes)
         if experts and inner_exp is not None:
             et, eb = _bucketed_allreduce(c, inner_exp, experts * s.grad_bytes)
@@ -142,7 +165,8 @@ def predict_outer(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
     crosses = o.group == "world" and outer.nodes > 1 or o.group == "node" and c.nodes > 1
     section = {
         "every": o.every, "compress": o.compress, "fragments": frags, "delay": o.delay,
-        "group": o.group, "outer_group_size": outer.size, "syncs": syncs,
+        "group": o.group, "shard": o.shard if sharded else "none",
+        "held_params_per_rank": dense + experts, "outer_group_size": outer.size, "syncs": syncs,
         "bytes_per_sync": sync_b, "bytes_per_step": frags * sync_b / o.every,
         "peak_bytes_per_step": sync_b, "sync_s": sync_s, "hidden_s": sync_s - exposed,
         "exposed_s_per_sync": exposed, "outer_s_per_step": outer_per_step,
@@ -163,6 +187,17 @@ def predict_outer(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
         "steps_by_kind": {"exact": s.steps, "onebit": 0, "local": 0}, "run_s": run_s,
         "frozen_at": None, "tokens_per_s_run": tokens_step * s.steps / run_s, "outer": section,
     }
+
+
+def _fsdp_step(c: ClusterSpec, grp: coll.Group, shard: int, grad_bytes: int,
+               passes: int) -> tuple[float, float]:
+    """(seconds, bytes sent per rank) of FSDP2's collectives for a rank holding ``shard``
+    float32 elements: per forward/backward pass an all-gather in forward and another in
+    backward (``reshard_after_forward``, the default), and one reduce-scatter of the
+    gradients (a ring moves the same bytes as an all-gather of the shard)."""
+    gt, gb = coll.all_gather(c, grp, 4 * shard)
+    rt, rb = coll.all_gather(c, grp, grad_bytes * shard)
+    return passes * (2 * gt + rt), passes * (2 * gb + rb)
 
 
 def compare_all(model: ModelSpec, c: ClusterSpec, s: Setup, optimizers: list[str],
@@ -199,7 +234,8 @@ def format_outer(rows: list[dict[str, Any]]) -> str:
     for r in outer:
         o = r["outer"]
         body.append([r["optimizer"], str(o["every"]), str(o["fragments"]), str(o["delay"]),
-                     f"{o['group']} ({o['outer_group_size']})",
+                     f"{o['group']} ({o['outer_group_size']})"
+                     + (", fsdp in nodes" if o["shard"] == "fsdp" else ""),
                      f"{o['bytes_per_sync'] / 1e6:.4g}", f"{o['bytes_per_step'] / 1e6:.4g}",
                      f"{o['peak_bytes_per_step'] / 1e6:.4g}", f"{o['sync_s']:.4g}",
                      f"{o['hidden_s']:.4g}", f"{o['outer_s_per_step']:.4g}",
