@@ -29,17 +29,16 @@ QTYPES = ("F32", "Q8_0", "Q4_0")
 
 
 def byte_level_alphabet() -> list[str]:
-    """The 256 characters GPT-2's byte-level BPE writes for bytes 0..255, in byte order
-    (printable bytes stand for themselves, the others for U+0100 onwards)."""
-    kept = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
-    out, extra = {}, 0
+    """The 256 characters GPT-2's byte-level BPE writes for bytes 0..255, in byte order:
+    printable bytes stand for themselves, the others, in order, for U+0100 onwards."""
+    chars, unprintable = [], 0
     for b in range(256):
-        if b in kept:
-            out[b] = chr(b)
+        if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255:
+            chars.append(chr(b))
         else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
+            chars.append(chr(256 + unprintable))
+            unprintable += 1
+    return chars
 
 
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

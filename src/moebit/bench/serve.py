@@ -87,22 +87,39 @@ def static(model: GPT, jobs: list[tuple[str, int]], batch: int) -> dict[str, Any
             "ttft_p50_ms": pct(firsts, 50), "ttft_p99_ms": pct(firsts, 99)}
 
 
-def _start_server(run: Path, max_batch: int, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moebit.cli", "serve", str(run),
-                             "--port", str(port), "--max-batch", str(max_batch),
-                             "--max-queue", "1024", *flags])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+def wait_ready(url: str, proc: subprocess.Popen, what: str, path: str = "/health") -> None:
+    """Wait until ``url + path`` answers 200 (up to about 3 minutes); a server that exits
+    or never answers is killed and named."""
+    for _ in range(900):
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
         except httpx.HTTPError:
             time.sleep(0.2)
         if proc.poll() is not None:
             break
     proc.kill()
-    raise RuntimeError("moebit serve did not start")
+    raise RuntimeError(f"{what} did not start (exit code {proc.poll()})")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def start_server(run: Path, max_batch: int, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``moebit serve RUN`` at a free 127.0.0.1 port, once it answers /health."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moebit.cli", "serve", str(run),
+                             "--port", str(port), "--max-batch", str(max_batch),
+                             "--max-queue", "1024", *flags])
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, "moebit serve")
+    return proc, url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,13 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                  "--max-batch-tokens", str(args.max_batch_tokens),
                  "--prefix-cache-tokens", str(args.prefix_cache_tokens)]
         # an HF folder: slots as long as the synthetic run's context, not the default 2048
-        proc, url = _start_server(run, args.max_batch, *flags,
-                                  *(["--context", "512"] if hf else []))
+        proc, url = start_server(run, args.max_batch, *flags,
+                                 *(["--context", "512"] if hf else []))
         try:
             out = _measure(args, url, baselines)
         finally:
-            proc.terminate()
-            proc.wait(timeout=120)
+            stop_server(proc)
     out["server"] = {"engine": args.engine, "max_batch_tokens": args.max_batch_tokens,
                      "prefix_cache_tokens": args.prefix_cache_tokens, "threads": args.threads}
     out["host"] = {"cpus": os.cpu_count(), "loaded": "shared with other jobs",

@@ -35,12 +35,13 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from moebit.bench import decode_llamacpp
+from moebit.bench.serve import start_server, stop_server, wait_ready
 from moebit.bench.serve_load import load, workload
 from moebit.testing import free_port
 
@@ -51,13 +52,15 @@ PLAIN_GREEDY = {"llamacpp": {"repeat_penalty": 1.0}, "moebit": {}}
 
 
 def available() -> str | None:
-    """None when llama-cpp-python's server imports; else why not."""
+    """None when llama-cpp-python and its server import; else why not."""
+    why = decode_llamacpp.available()
+    if why is not None:
+        return why
     try:
-        import gguf  # noqa: F401
         import llama_cpp.server.app  # noqa: F401
     except ImportError as e:
-        return (f"the llama.cpp server peer needs the 'llamacpp' extra with llama-cpp-python's "
-                f"server dependencies (pip install 'moebit[llamacpp]'): {e}")
+        return (f"the llama.cpp server peer needs llama-cpp-python's server dependencies "
+                f"(pip install 'moebit[llamacpp]'): {e}")
     return None
 
 
@@ -78,19 +81,6 @@ def byte_tokenizer(folder: Path) -> Path:
     return path
 
 
-def _wait(url: str, proc: subprocess.Popen, what: str, path: str) -> None:
-    for _ in range(900):
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"{what} did not start (exit code {proc.poll()})")
-
-
 def start_llamacpp(gguf: Path, threads: int, n_ctx: int) -> tuple[subprocess.Popen, str]:
     """llama-cpp-python's server on ``gguf`` at a free 127.0.0.1 port."""
     port = free_port()
@@ -100,29 +90,8 @@ def start_llamacpp(gguf: Path, threads: int, n_ctx: int) -> tuple[subprocess.Pop
          "--n_ctx", str(n_ctx), "--n_batch", "512", "--verbose", "False"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    _wait(url, proc, "llama_cpp.server", "/v1/models")
+    wait_ready(url, proc, "llama_cpp.server", "/v1/models")
     return proc, url
-
-
-def start_moebit(folder: Path, threads: int, quantize: str, max_batch: int,
-                 context: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moebit.cli", "serve", str(folder), "--port", str(port),
-         "--threads", str(threads), "--quantize", quantize, "--max-batch", str(max_batch),
-         "--max-queue", "1024", "--context", str(context)])
-    url = f"http://127.0.0.1:{port}"
-    _wait(url, proc, "moebit serve", "/health")
-    return proc, url
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def _first_text(url: str, extra: dict) -> str:
@@ -164,8 +133,8 @@ def run(args: Any) -> dict[str, Any]:
         model = from_pretrained(str(folder))
         for qtype in args.peer_qtypes:
             gguf = write_gguf(model, Path(tmp) / f"model-{qtype}.gguf", qtype)
-            ours, ours_url = start_moebit(folder, args.threads, PAIRS[qtype], args.max_batch,
-                                          context)
+            ours, ours_url = start_server(folder, args.max_batch, "--threads", str(args.threads),
+                                          "--quantize", PAIRS[qtype], "--context", str(context))
             try:
                 # llama-cpp-python decodes on past max_tokens while its text ends inside
                 # a UTF-8 sequence (random weights write many): room for that
@@ -176,9 +145,9 @@ def run(args: Any) -> dict[str, Any]:
                     b = _first_text(theirs_url, PLAIN_GREEDY["llamacpp"])
                     out["rows"][qtype]["greedy_agreement"] = agreement(a, b)
                 finally:
-                    _stop(theirs)
+                    stop_server(theirs)
             finally:
-                _stop(ours)
+                stop_server(ours)
             print(f"serve vs llama.cpp {qtype}: " + json.dumps(
                 {c: r["tokens_per_s_ratio"] for c, r in out["rows"][qtype]["clients"].items()}),
                 file=sys.stderr, flush=True)
