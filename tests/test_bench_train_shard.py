@@ -20,10 +20,12 @@ from moebit.bench.train_shard import (
 
 
 def test_each_shards_entry_is_a_row_with_its_train_flags(tmp_path: Path) -> None:
-    assert parse_shards("none,fsdp,fsdp:rs=int8:ag=bf16") == [
+    assert parse_shards("none,fsdp,fsdp:rs=int8:ag=bf16,fsdp:unit=model:keep") == [
         ("none", []), ("fsdp", ["--shard", "fsdp"]),
         ("fsdp:rs=int8:ag=bf16", ["--shard", "fsdp", "--rs-compress", "int8",
-                                  "--ag-compress", "bf16"])]
+                                  "--ag-compress", "bf16"]),
+        ("fsdp:unit=model:keep", ["--shard", "fsdp", "--shard-unit", "model",
+                                  "--no-reshard-after-forward"])]
     args, extra = parse(["--optimizers", "adam", "--shards", "none,fsdp:rs=int8", "--nproc", "4",
                          "--out", str(tmp_path), "--", "--n-layer", "2"])
     jobs = _jobs(args, extra, tmp_path)
@@ -35,7 +37,8 @@ def test_each_shards_entry_is_a_row_with_its_train_flags(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("bad,said", [("zero3", "the mode must be one of none, fsdp, hsdp"),
                                       ("fsdp:rs=int4", "is not rs=FMT or ag=FMT"),
-                                      ("none:rs=int8", "compresses a sharded collective")])
+                                      ("fsdp:unit=layer", "unit=U"),
+                                      ("none:rs=int8", "is a setting of a sharded row")])
 def test_a_bad_entry_is_named_before_any_run(bad: str, said: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=said):
         parse(["--shards", bad, "--out", str(tmp_path)])

@@ -45,6 +45,10 @@ def test_sharded_state_splits_over_the_shard_group_experts_included() -> None:
     assert fsdp.activations == none.activations  # activations are not sharded
     kept = parse_train_flags([*MOE, "--shard", "fsdp", "--no-reshard-after-forward"])
     assert rank_memory(kept, c, 8, 4, "fsdp").gathered > fsdp.gathered
+    one = parse_train_flags([*MOE, "--shard", "fsdp", "--shard-unit", "model"])
+    whole = c.dense + c.experts / 2  # a rank gathers its ep rank's experts and all the rest
+    assert rank_memory(one, c, 8, 4, "fsdp").gathered == int(whole * 8)  # weights + gradient
+    assert rank_memory(one, c, 8, 4, "fsdp").params == fsdp.params  # the same at rest
 
 
 def test_a_plan_that_does_not_fit_is_refused_in_one_line(capsys, tmp_path) -> None:

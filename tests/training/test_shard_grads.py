@@ -15,9 +15,10 @@ from moebit.training.shard_memory import StateBytes, peak_rss_mb, state_bytes_pe
 from moebit.training.sharding import ShardConfig, make_meshes, shard_model
 
 
-def _grads(rank: int, world: int, shard: str, ep: int, node: int, make=tiny_gpt) -> float:
+def _grads(rank: int, world: int, shard: str, ep: int, node: int, make=tiny_gpt,
+           **settings) -> float:
     ref = make(ep)
-    model = shard_model(make(ep), ShardConfig(shard=shard, local_world_size=node))
+    model = shard_model(make(ep), ShardConfig(shard=shard, local_world_size=node, **settings))
     replicated_step(ref, batch(rank, 0))
     loss_of(model, batch(rank, 0)).backward()
     worst = 0.0
@@ -34,10 +35,10 @@ def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _losses(rank: int, world: int, ep: int, steps: int,
-            optimizer: str = "adam") -> tuple[list[float], list[float]]:
+def _losses(rank: int, world: int, ep: int, steps: int, optimizer: str = "adam",
+            **settings) -> tuple[list[float], list[float]]:
     ref = tiny_gpt(ep)
-    model = shard_model(tiny_gpt(ep), ShardConfig(shard="fsdp"))
+    model = shard_model(tiny_gpt(ep), ShardConfig(shard="fsdp", **settings))
     opt_ref, opt = _optimizer(optimizer, ref), _optimizer(optimizer, model)
     want, got = [], []
     for step in range(steps):
@@ -97,7 +98,11 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 def _two(rank: int, world: int) -> dict:
     """The dense checks on 2 ranks, in one start-up."""
     return {"grads": _grads(rank, world, "fsdp", 0, 0), "losses": _losses(rank, world, 0, 10),
-            "lamb": _losses(rank, world, 0, 6, "lamb")}
+            "lamb": _losses(rank, world, 0, 6, "lamb"),
+            # one unit, kept gathered from forward to backward, through each transport
+            "model_unit": [_losses(rank, world, 0, 10, unit="model", reshard_after_forward=False,
+                                   transport=t) for t in ("native", "a2a")],
+            "block_a2a": _grads(rank, world, "fsdp", 0, 0, transport="a2a")}
 
 
 def _four(rank: int, world: int) -> dict:
@@ -105,6 +110,10 @@ def _four(rank: int, world: int) -> dict:
     return {"grads": _grads(rank, world, "fsdp", 2, 0),
             "hsdp_grads": _grads(rank, world, "hsdp", 2, 2),
             "hf_grads": _grads(rank, world, "fsdp", 2, 0, tiny_hf),
+            "model_grads": [_grads(rank, world, "fsdp", 2, 0, unit="model", transport="a2a"),
+                            _grads(rank, world, "hsdp", 2, 2, unit="model"),
+                            _grads(rank, world, "fsdp", 2, 0, tiny_hf, unit="model",
+                                   reshard_after_forward=False)],
             "replicate_allreduces": stats.snapshot().ops["fsdp.allreduce.replicate"].calls,
             "losses": _losses(rank, world, 2, 10), "memory": _memory(rank, world),
             "refusals": _refusals(rank, world)}
@@ -147,6 +156,19 @@ def test_sharded_moe_loss_equals_the_replicated_runs_over_10_steps(four) -> None
     want, got = four[0]["losses"]
     assert want[-1] < want[0] - 0.5
     assert max(abs(a - b) for a, b in zip(want, got, strict=True)) < 1e-5, (want, got)
+
+
+def test_one_unit_kept_gathered_trains_as_the_replicated_run_through_either_transport(two
+                                                                                    ) -> None:
+    for want, got in two[0]["model_unit"]:
+        assert want[-1] < want[0] - 0.5
+        assert max(abs(a - b) for a, b in zip(want, got, strict=True)) < 1e-5, (want, got)
+    assert max(r["block_a2a"] for r in two) < 1e-5  # the all-to-all reduce-scatter averages
+
+
+def test_one_unit_per_mesh_gives_the_replicated_gradients_with_experts(four) -> None:
+    for r in four:  # ep 2 x efsdp 2 (a2a); hsdp 2 nodes of 2; Qwen3-MoE without resharding
+        assert max(r["model_grads"]) < 1e-5, r["model_grads"]
 
 
 def test_lamb_under_fsdp_equals_replicated_lamb(two) -> None:

@@ -1,7 +1,8 @@
 """Sharded rows of ``moebit bench train``: ``--shards`` and ``--rank-memory-cap``.
 
 ``--shards none,fsdp,fsdp:rs=int8`` runs each optimizer once per sharding setting
-(``MODE[:rs=FMT][:ag=FMT]``: ``--shard MODE --rs-compress FMT --ag-compress FMT``), and
+(``MODE[:rs=FMT][:ag=FMT][:unit=U][:keep]``: ``--shard MODE --rs-compress FMT
+--ag-compress FMT --shard-unit U --no-reshard-after-forward``), and
 adds a table of what sharding is for: this rank's model-state bytes
 (``state_bytes_per_rank``: parameters, gradients, optimizer state) and peak RSS, the
 gradient reduce-scatter and weight all-gather bytes, throughput, and the last logged
@@ -27,7 +28,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from moebit.training.shard_config import MODES, SHARD_MODES
+from moebit.training.shard_config import MODES, SHARD_MODES, UNITS
 from moebit.training.shard_memory import size_bytes
 
 
@@ -41,12 +42,18 @@ def parse_shards(text: str) -> list[tuple[str, list[str]]]:
         flags = [] if mode == "none" else ["--shard", mode]
         for opt in opts:
             key, _, fmt = opt.partition("=")
-            if key not in ("rs", "ag") or fmt not in MODES:
-                raise ValueError(f"--shards: {spec!r}: {opt!r} is not rs=FMT or ag=FMT with FMT "
-                                 f"one of {', '.join(MODES)}")
             if mode == "none":
-                raise ValueError(f"--shards: {spec!r}: {key}= compresses a sharded collective")
-            flags += [f"--{key}-compress", fmt]
+                raise ValueError(f"--shards: {spec!r}: {opt!r} is a setting of a sharded row")
+            if key == "keep" and not fmt:
+                flags.append("--no-reshard-after-forward")
+            elif key == "unit" and fmt in UNITS:
+                flags += ["--shard-unit", fmt]
+            elif key in ("rs", "ag") and fmt in MODES:
+                flags += [f"--{key}-compress", fmt]
+            else:
+                raise ValueError(f"--shards: {spec!r}: {opt!r} is not rs=FMT or ag=FMT (FMT one "
+                                 f"of {', '.join(MODES)}), unit=U (U one of {', '.join(UNITS)}) "
+                                 f"or keep")
         rows.append((spec.strip(), flags))
     return rows
 

@@ -169,12 +169,17 @@ def choose(problem: str, candidates: dict[str, Callable[[], object]], default: s
         return hit
     times = measure(candidates, reps)
     best = min(times, key=times.__getitem__)
-    tuned = Tuned(best, times, measured=True)
+    remember(problem, best, times)
+    return Tuned(best, times, measured=True)
+
+
+def remember(problem: str, choice: str, times: dict[str, float]) -> None:
+    """Keep ``choice`` for ``problem`` in memory and in the file (callers that measure
+    their own way: collectives timed on every rank together)."""
     path, machine = cache_path(), machine_key()
-    _memory[(path, machine, problem)] = Tuned(best, times)
+    _memory[(path, machine, problem)] = Tuned(choice, times)
     try:
-        _write(path, machine, problem, {"choice": best, "times_s": times})
+        _write(path, machine, problem, {"choice": choice, "times_s": times})
     except OSError as e:  # a read-only home still tunes, per process
         warnings.warn(f"moebit: cannot write autotune cache {path} ({e})", RuntimeWarning,
-                      stacklevel=2)
-    return tuned
+                      stacklevel=3)

@@ -54,7 +54,9 @@ def _adam(param_groups: ParamGroups, s: OptimizerSettings, decoupled: bool = Tru
     if s.freeze_step is not None:
         logger.warning("freeze_step=%r ignored: plain Adam has no compression stage", s.freeze_step)
     cls = torch.optim.AdamW if s.weight_decay and decoupled else torch.optim.Adam
-    return cls(param_groups, **s.adam_kwargs())
+    # foreach: one op per list, not per tensor; under FSDP2 every tensor op is a DTensor
+    # dispatch (~0.1 ms), which made the per-tensor loop a quarter of a sharded step
+    return cls(param_groups, **s.adam_kwargs(), foreach=True)
 
 
 def _compressed(cls: type[Optimizer]) -> Factory:

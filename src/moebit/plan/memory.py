@@ -11,7 +11,8 @@ parameters, each decoder block's size. Per rank, in bytes:
 * gathered (sharded only): the unsharded weights FSDP gathers for the running block and
   the prefetched next one (``param_dtype``), and one block's unsharded gradient before
   its reduce-scatter (``reduce_dtype``); without ``reshard_after_forward`` every block's
-  gathered weights stay until backward;
+  gathered weights stay until backward; with ``shard_unit`` "model" the whole gathered
+  model and its whole unsharded gradient (one unit);
 * activations: about 32 x d_model floats per token and layer kept for backward
   (``moebit.cli.validate``'s launcher estimate), not sharded;
 * base: a rank's own footprint (interpreter, torch, gloo buffers).
@@ -110,8 +111,12 @@ def rank_memory(cfg: TrainConfig, counts: Counts, world: int, node: int, shard: 
         units = [d + e / ep for d, e in counts.blocks]
         biggest = max(units)
         p_bytes, r_bytes = _DTYPE_BYTES[cfg.param_dtype], _DTYPE_BYTES[cfg.reduce_dtype]
-        held = 2 * biggest if cfg.reshard_after_forward else sum(units) + biggest
-        gathered = int(held * p_bytes + biggest * r_bytes)
+        if cfg.shard_unit == "model":  # one unit: the gathered model, its whole gradient
+            whole = counts.dense + counts.experts / ep
+            gathered = int(whole * (p_bytes + r_bytes))
+        else:
+            held = 2 * biggest if cfg.reshard_after_forward else sum(units) + biggest
+            gathered = int(held * p_bytes + biggest * r_bytes)
     block = cfg.model_config().block_size
     activations = cfg.batch_size * block * 32 * counts.d_model * counts.layers * 4
     return RankMemory(shard, int(kept * 4), int(kept * 4), int(kept * opt), gathered,

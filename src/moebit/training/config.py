@@ -27,7 +27,14 @@ from moebit.models.hf.config import read_config
 from moebit.models.registry import family_of, family_of_folder
 from moebit.moe import MoEConfig
 from moebit.optim import EXACT_OPTIMIZERS, OuterSettings, optimizer_names
-from moebit.training.shard_config import DTYPES, MODES, SHARD_MODES, check_composition
+from moebit.training.shard_config import (
+    DTYPES,
+    MODES,
+    SHARD_MODES,
+    TRANSPORTS,
+    UNITS,
+    check_composition,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,6 +84,8 @@ class TrainConfig:
     # state over the ranks; "none" keeps a whole replica on every rank
     shard: str = "none"  # none | fsdp | hsdp (shard inside a node, replicate across nodes)
     reshard_after_forward: bool = True  # free gathered weights after forward (regather in backward)
+    shard_unit: str = "block"  # block: one FSDP2 unit per decoder block; model: one for all
+    shard_transport: str = "auto"  # auto (measured) | native | a2a: exact gathers/scatters
     param_dtype: str | None = None  # fp32 | bf16 | fp16: compute / all-gather dtype (None: own)
     reduce_dtype: str | None = None  # fp32 | bf16 | fp16: gradient reduction dtype
     rs_compress: str = "none"  # none | bf16 | int8: the gradient reduce-scatter's wire format
@@ -282,6 +291,10 @@ def validate_shard(cfg: TrainConfig) -> None:
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(cfg, key) not in (None, *DTYPES):
             raise ConfigError(f"{key}: must be one of {', '.join(DTYPES)} or none (got "
+                              f"{getattr(cfg, key)!r})")
+    for key, known in (("shard_unit", UNITS), ("shard_transport", TRANSPORTS)):
+        if getattr(cfg, key) not in known:
+            raise ConfigError(f"{key}: must be one of {', '.join(known)} (got "
                               f"{getattr(cfg, key)!r})")
     for key in ("rs_compress", "ag_compress"):
         value = getattr(cfg, key)

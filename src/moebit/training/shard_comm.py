@@ -8,8 +8,9 @@ rank's ``C`` elements already copied in at offset ``r * C``.
 
 Formats (``mode``):
 
-* ``none``: the exact collective (gloo/NCCL ``reduce_scatter_single`` /
-  ``all_gather_single``), counted in ``moebit.comm.stats``.
+* ``none``: the exact collective, counted in ``moebit.comm.stats``: the backend's own
+  (``reduce_scatter_single`` / ``all_gather_single``) or an all-to-all, whichever
+  measured faster on these ranks (``moebit.training.shard_transport``).
 * ``bf16``: the chunks travel in bfloat16. The reduce-scatter sends every chunk to its
   owner (``all_to_all``) and the owner sums in float32, so only one rounding per
   contribution is paid, never one per ring hop.
@@ -37,6 +38,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from moebit.comm import stats
 from moebit.training.shard_config import DEFAULT_BLOCK, MODES
+from moebit.training.shard_transport import TRANSPORT_AG, TRANSPORT_RS, Transport
 
 
 def _check_mode(mode: str, what: str) -> str:
@@ -85,11 +87,13 @@ class CompressedReduceScatter(ReduceScatter):
     the int8 error-feedback residual belongs to that unit's flat buffer)."""
 
     def __init__(self, mode: str = "none", block: int = DEFAULT_BLOCK,
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True, transport: str = "auto") -> None:
         self.mode = _check_mode(mode, "rs_compress")
         self.block = block
         self.error_feedback = error_feedback and mode == "int8"
         self.residual: torch.Tensor | None = None
+        self.transport = Transport("rs", TRANSPORT_RS, transport)
+
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -99,10 +103,10 @@ class CompressedReduceScatter(ReduceScatter):
                  group: dist.ProcessGroup, op: object, async_op: bool = False) -> None:
         world = dist.get_world_size(group)
         factor = _sum_reduction(op, world)
+        how = self.transport(output_tensor, input_tensor, group) if self.mode == "none" else ""
         t0 = time.perf_counter()
         if self.mode == "none":
-            dist.reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM,
-                                       group=group)
+            TRANSPORT_RS[how](output_tensor, input_tensor, group)
             sent = (world - 1) * output_tensor.numel() * output_tensor.element_size()
         else:
             sent = self._exchange(output_tensor, input_tensor, group, world)
@@ -140,9 +144,12 @@ class CompressedAllGather(AllGather):
     """FSDP2 parameter all-gather in ``mode``; buffers that are not floating point (FSDP
     packs mixed dtypes as uint8) always travel exactly."""
 
-    def __init__(self, mode: str = "none", block: int = DEFAULT_BLOCK) -> None:
+    def __init__(self, mode: str = "none", block: int = DEFAULT_BLOCK,
+                 transport: str = "auto") -> None:
         self.mode = _check_mode(mode, "ag_compress")
         self.block = block
+        self.transport = Transport("ag", TRANSPORT_AG, transport)
+
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -153,9 +160,10 @@ class CompressedAllGather(AllGather):
         world = dist.get_world_size(group)
         n = input_tensor.numel()
         mode = self.mode if input_tensor.is_floating_point() else "none"
+        how = self.transport(output_tensor, input_tensor, group) if mode == "none" else ""
         t0 = time.perf_counter()
         if mode == "none":
-            dist.all_gather_single(output_tensor, input_tensor, group=group)
+            TRANSPORT_AG[how](output_tensor, input_tensor, group)
             sent = (world - 1) * n * input_tensor.element_size()
         elif mode == "bf16":
             wire = input_tensor.to(torch.bfloat16)

@@ -15,6 +15,8 @@ SHARD_MODES = ("none", "fsdp", "hsdp")
 # The dtype names the keys take; ``torch_dtype`` maps them.
 DTYPES = ("fp32", "bf16", "fp16")
 MODES = ("none", "bf16", "int8")  # what rs_compress / ag_compress take
+UNITS = ("block", "model")  # what unit takes
+TRANSPORTS = ("auto", "native", "a2a")  # how exact sharded collectives travel
 DEFAULT_BLOCK = 256  # elements sharing one int8 scale
 
 
@@ -25,13 +27,21 @@ class ShardConfig:
     ``param_dtype`` / ``reduce_dtype``: "fp32", "bf16", "fp16" or None (keep the
     parameters' own dtype; reduce in the compute dtype). ``local_world_size`` is the
     node size for hsdp (0: torchrun's LOCAL_WORLD_SIZE). ``quant_block`` is the number of
-    elements sharing one int8 scale. ``node_local``: shard inside each node only and leave
-    the nodes independent replicas (fsdp under an outer optimizer, which syncs them: the
-    dense mesh is the node, not the world).
+    elements sharing one int8 scale. ``unit``: "block" makes every decoder block (and
+    every expert module) its own FSDP2 unit, so a rank holds one gathered block at a time;
+    "model" makes one unit per mesh (all experts; the rest), so a step runs one all-gather
+    and one reduce-scatter each, as few collectives as a replicated run's allreduce, and
+    holds the whole gathered model while it computes. ``transport``: how the exact
+    all-gathers and reduce-scatters travel (``moebit.training.shard_transport``: "auto"
+    measures the backend's collective against an all-to-all). ``node_local``: shard
+    inside each node only and leave the nodes independent replicas (fsdp under an outer
+    optimizer, which syncs them: the dense mesh is the node, not the world).
     """
 
     shard: str = "none"
     reshard_after_forward: bool = True
+    unit: str = "block"
+    transport: str = "auto"
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     rs_compress: str = "none"
@@ -43,6 +53,10 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if self.shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {SHARD_MODES}, got {self.shard!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {self.unit!r}")
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             if value is not None and value not in DTYPES:

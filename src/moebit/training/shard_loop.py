@@ -32,6 +32,7 @@ def shard_config(cfg: TrainConfig) -> ShardConfig:
     outer optimizer fsdp shards inside each node only (``node_local``): the nodes are the
     DiLoCo workers, which share nothing between syncs."""
     return ShardConfig(shard=cfg.shard, reshard_after_forward=cfg.reshard_after_forward,
+                       unit=cfg.shard_unit, transport=cfg.shard_transport,
                        param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype,
                        rs_compress=cfg.rs_compress, ag_compress=cfg.ag_compress,
                        node_local=cfg.shard == "fsdp" and cfg.outer != "none")
@@ -84,11 +85,23 @@ def clip_sharded(model: nn.Module, max_norm: float) -> float:
 
 
 def memory_fields(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """This rank's model-state bytes and peak RSS, for the end record (every run)."""
+    """This rank's model-state bytes at rest (sharded units resharded first: without
+    ``reshard_after_forward`` the last evaluation leaves them gathered) and peak RSS, for
+    the end record (every run); sharded runs add the transports their collectives chose."""
+    st = shard_state(model)
+    if st is not None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
     b = state_bytes_per_rank(model, opt)
-    return {"state_bytes_per_rank": b.total, "param_bytes_per_rank": b.params,
-            "grad_bytes_per_rank": b.grads, "optimizer_bytes_per_rank": b.optimizer,
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+    out: dict[str, Any] = {"state_bytes_per_rank": b.total, "param_bytes_per_rank": b.params,
+                           "grad_bytes_per_rank": b.grads, "optimizer_bytes_per_rank": b.optimizer,
+                           "peak_rss_mb": round(peak_rss_mb(), 1)}
+    if st is not None:
+        out["shard_transports"] = st.transports()
+    return out
 
 
 def save_dcp(d: Path, run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,

@@ -186,6 +186,12 @@ class ShardState:
     meshes: ShardMeshes
     expert_names: tuple[str, ...]
     reduce_scatters: tuple[CompressedReduceScatter, ...] = ()
+    all_gathers: tuple[CompressedAllGather, ...] = ()
+
+    def transports(self) -> dict[str, list[str]]:
+        """The exact collectives' transports chosen so far (``shard_transport``), by kind."""
+        return {kind: sorted({c for u in units for c in u.transport.chosen.values()})
+                for kind, units in (("rs", self.reduce_scatters), ("ag", self.all_gathers))}
 
 
 def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None = None,
@@ -220,25 +226,33 @@ def shard_model(model: nn.Module, cfg: ShardConfig, meshes: ShardMeshes | None =
                               "mp_policy": cfg.mp_policy()}
     units: list[tuple[FSDPModule, DeviceMesh]] = []
     experts = dict(expert_modules(model)) if meshes.experts is not None else {}
-    for block in blocks:
-        for m in block.modules():
-            if any(m is e for e in experts.values()):
-                units.append((fully_shard(m, mesh=meshes.experts, **common), meshes.experts))
-        units.append((fully_shard(block, mesh=meshes.dense, **common), meshes.dense))
+    if cfg.unit == "model":  # one unit per mesh: the experts of every block, then the rest
+        if experts:  # one group over several modules: its hooks are set through any of them
+            group = fully_shard(list(experts.values()), mesh=meshes.experts, **common)
+            units.append((group[0], meshes.experts))
+    else:
+        for block in blocks:
+            for m in block.modules():
+                if any(m is e for e in experts.values()):
+                    units.append((fully_shard(m, mesh=meshes.experts, **common),
+                                  meshes.experts))
+            units.append((fully_shard(block, mesh=meshes.dense, **common), meshes.dense))
     units.append((fully_shard(model, mesh=meshes.dense, **common), meshes.dense))
-    comms = tuple(_install_comms(unit, mesh, cfg) for unit, mesh in units)
-    model.moebit_shard = ShardState(cfg, meshes, expert_names, comms)
+    comms = [_install_comms(unit, mesh, cfg) for unit, mesh in units]
+    model.moebit_shard = ShardState(cfg, meshes, expert_names, tuple(rs for rs, _ in comms),
+                                    tuple(ag for _, ag in comms))
     return model
 
 
 def _install_comms(unit: FSDPModule, mesh: DeviceMesh, cfg: ShardConfig,
-                   ) -> CompressedReduceScatter:
+                   ) -> tuple[CompressedReduceScatter, CompressedAllGather]:
     """SUM reductions divided afterwards, the unit's own (compressed) collectives, and for
-    hsdp a counter of the replicate-dim allreduce. Returns the unit's reduce-scatter."""
+    hsdp a counter of the replicate-dim allreduce."""
     unit.set_force_sum_reduction_for_comms(True)
-    rs = CompressedReduceScatter(cfg.rs_compress, cfg.quant_block)
+    rs = CompressedReduceScatter(cfg.rs_compress, cfg.quant_block, transport=cfg.transport)
+    ag = CompressedAllGather(cfg.ag_compress, cfg.quant_block, transport=cfg.transport)
     unit.set_custom_reduce_scatter(rs)
-    unit.set_custom_all_gather(CompressedAllGather(cfg.ag_compress, cfg.quant_block))
+    unit.set_custom_all_gather(ag)
     if mesh.ndim == 2 and mesh.size(0) > 1:
         unit.set_all_reduce_hook(replicate_allreduce_counter(mesh.size(0)))
-    return rs
+    return rs, ag
