@@ -200,6 +200,8 @@ def test_zero_one_adam_restarts_its_local_steps_from_the_outer_point():
 def test_int8_block_setting_is_checked_under_its_key():
     with pytest.raises(ValueError, match="outer_int8_block"):
         _setup(compress="int8", int8_block=0)
+    with pytest.raises(ValueError, match="invalid outer_onebit_block 12: elements per 1-bit"):
+        _setup(compress="1bit", onebit_block=12)
 
 
 def test_fragments_balance_elements_not_block_counts():

@@ -29,7 +29,9 @@ def test_bytes_per_sync_are_what_the_outer_exchange_records():
     assert exchange_cost(c, grp, 385, "bf16")[1] == 2 * 385
     assert exchange_cost(c, grp, 385, "int8")[1] == 2 * (512 + 4 * 2) // 2
     # 1 bit: the 8-byte length gather, then two all-to-alls of 400/2/8 signs + a scale
-    assert exchange_cost(c, grp, 385, "1bit")[1] == 8 + 2 * (400 // 2 // 8 + 4)
+    assert exchange_cost(c, grp, 385, "1bit", onebit_block=0)[1] == 8 + 2 * (400 // 2 // 8 + 4)
+    # one scale per 256: 385 over 2 ranks in whole blocks is 256 a rank, 32 B of signs + 4
+    assert exchange_cost(c, grp, 385, "1bit")[1] == 2 * (256 // 8 + 4)
     assert exchange_cost(c, coll.Group(1, 1), 385, "none") == (0.0, 0.0)
 
 

@@ -78,6 +78,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="D: inner steps a fragment's exchange overlaps")
     o.add_argument("--outer-group", choices=("node", "world"), default="node")
     o.add_argument("--outer-int8-block", type=int, default=256)
+    o.add_argument("--outer-onebit-block", type=int, default=256,
+                   help="elements per 1-bit scale (0: one scale per chunk)")
     o.add_argument("--outer-shard", choices=("none", "fsdp"), default="none",
                    help="fsdp: each node's ranks shard the parameters (moebit train --shard "
                         "fsdp --outer-group node); the outer step syncs each rank's shards")
@@ -242,7 +244,8 @@ def run_plan(argv: list[str]) -> int:
     setup = _setup(args, cluster, cfg)
     opts = _optimizers(args.optimizers, outer=True)
     outer = OuterSetup(args.outer_every, "none", args.outer_fragments, args.outer_delay,
-                       args.outer_group, args.outer_int8_block, args.outer_shard)
+                       args.outer_group, args.outer_int8_block, args.outer_shard,
+                       args.outer_onebit_block)
     rows = compare_all(model, cluster, setup, opts, outer, _split(args.outer_compress))
     print(format_plan(rows, model, cluster, setup))
     if any(o in OUTER_OPTIMIZERS for o in opts):

@@ -88,7 +88,8 @@ def check_outer(cfg: TrainConfig, world: int, nproc: int) -> None:
     try:
         OuterSettings(*(keys[k] for k in ("outer_every", "outer_lr", "outer_momentum",
                                           "outer_nesterov", "outer_compress", "outer_fragments",
-                                          "outer_delay", "outer_alpha", "outer_int8_block")))
+                                          "outer_delay", "outer_alpha", "outer_int8_block",
+                                          "outer_onebit_block")))
         params = [p for b in blocks for p in b]
         check_inner(make_optimizer(cfg, [{"params": params}]), params, None)
     except (TypeError, ValueError) as e:

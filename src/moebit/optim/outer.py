@@ -134,7 +134,8 @@ class OuterOptimizer:
     skipped step). ``last_sync`` is the ``SyncRecord`` of a sync finished at that step, or
     None. Options: ``every`` H (``outer_every``), ``lr``, ``momentum``, ``nesterov``,
     ``compress`` (none | bf16 | int8 | 1bit), ``fragments`` F, ``delay`` D < H/F, ``alpha``
-    (mixing of a late update, in [0, 1)), ``int8_block``. ``is_expert`` tells expert
+    (mixing of a late update, in [0, 1)), ``int8_block``, ``onebit_block``
+    (elements per 1-bit scale; 0: one per chunk, ``moebit.comm.compressed``). ``is_expert`` tells expert
     parameters (default: moebit.moe's mark), which are exchanged apart from dense ones.
     """
 
@@ -142,10 +143,10 @@ class OuterOptimizer:
                  group: dist.ProcessGroup | None = None, *, every: int, lr: float = 0.7,
                  momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
-                 int8_block: int = DEFAULT_BLOCK,
+                 int8_block: int = DEFAULT_BLOCK, onebit_block: int = DEFAULT_BLOCK,
                  is_expert: Callable[[torch.Tensor], bool] = marked_expert) -> None:
         self.settings = OuterSettings(every, lr, momentum, nesterov, compress, fragments, delay,
-                                      alpha, int8_block)  # raises on a bad setting
+                                      alpha, int8_block, onebit_block)  # raises if bad
         self.every, self.fragments, self.delay = every, fragments, delay
         self.lr, self.momentum, self.alpha = float(lr), float(momentum), float(alpha)
         self.nesterov, self.compress = nesterov, compress
@@ -169,7 +170,7 @@ class OuterOptimizer:
             frag.sync = frag.flat()
             frag.momentum = torch.zeros_like(frag.sync)
             self._frags.append(frag)
-        self.exchange = make_exchange(compress, group, int8_block)
+        self.exchange = make_exchange(compress, group, int8_block, onebit_block)
         self.step_count = 0  # inner steps taken
         self.sync_count = 0  # outer updates applied (all fragments)
         self.last_sync: SyncRecord | None = None

@@ -10,7 +10,7 @@ the kind "outer" (``stats.kind_of``), so metrics show it apart from the inner op
 | ``none`` | 4 bytes (ring allreduce) | none |
 | ``bf16`` | 2 bytes (ring allreduce in bf16) | bf16 rounding of each rank's value and of the partial sums |
 | ``int8`` | 1 byte + 4 per block of 256 (two phases) | two roundings, each <= absmax_block/254 |
-| ``1bit`` | 1/8 byte + scales (two phases) | large per sync, carried to the next sync by the error buffers |
+| ``1bit`` | 1/8 byte + 4 per ``onebit_block`` (two phases) | large, carried to the next sync |
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from moebit.comm import collectives, stats
 from moebit.comm.compressed import OnebitAllreduce
+from moebit.comm.onebit_blocks import BlockOnebitAllreduce
 from moebit.comm.quantize import DEFAULT_BLOCK, Int8Allreduce
 
 __all__ = ["COMPRESSIONS", "Exchange", "make_exchange"]
@@ -87,27 +88,37 @@ class Int8Exchange:
 
 
 class OnebitExchange:
-    """The error-compensated 1-bit allreduce (``moebit.comm.compressed``), one pair of
-    error buffers per fragment, carried from one sync of that fragment to the next: what a
+    """An error-compensated 1-bit allreduce, one scale per ``block`` elements
+    (``moebit.comm.onebit_blocks``; 0: one per chunk, ``moebit.comm.compressed``), one
+    pair of error buffers per fragment, carried from one sync of that fragment to the next: what a
     sync's signs could not deliver is added to the next sync's pseudo-gradient, so the
     running sum of exchanged averages tracks the running sum of exact ones."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.impl = OnebitAllreduce(group=group, op_prefix="outer.onebit")
+    def __init__(self, group: dist.ProcessGroup | None, block: int = DEFAULT_BLOCK) -> None:
+        self.block = block
+        self.impl: OnebitAllreduce | BlockOnebitAllreduce = (
+            BlockOnebitAllreduce(group, block, op_prefix="outer.onebit") if block
+            else OnebitAllreduce(group=group, op_prefix="outer.onebit"))
 
     def average(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         return self.impl.allreduce(flat, name=name)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.impl.state_dict()
+        return {"onebit_block": self.block, "errors": self.impl.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self.impl.load_state_dict(state)
+        if not state:
+            return
+        saved = state.get("onebit_block", 0)  # checkpoints from before block scales: chunks
+        if saved != self.block:
+            raise ValueError(f"outer optimizer state was saved with 1-bit scales per "
+                             f"{saved or 'chunk'} elements, this run uses "
+                             f"{self.block or 'chunk'} (outer_onebit_block)")
+        self.impl.load_state_dict(state["errors"] if "errors" in state else state)
 
 
 def make_exchange(compress: str, group: dist.ProcessGroup | None,
-                  int8_block: int = DEFAULT_BLOCK) -> Exchange:
+                  int8_block: int = DEFAULT_BLOCK, onebit_block: int = DEFAULT_BLOCK) -> Exchange:
     """The exchange for ``compress`` (one of ``COMPRESSIONS``) over ``group``."""
     if compress == "none":
         return FullExchange(group, torch.float32, "outer.fp32")
@@ -116,5 +127,5 @@ def make_exchange(compress: str, group: dist.ProcessGroup | None,
     if compress == "int8":
         return Int8Exchange(group, int8_block)
     if compress == "1bit":
-        return OnebitExchange(group)
+        return OnebitExchange(group, onebit_block)
     raise ValueError(f"invalid outer_compress {compress!r}: expected one of {', '.join(COMPRESSIONS)}")

@@ -32,6 +32,7 @@ class OuterSettings:
     delay: int = 0
     alpha: float = 0.0
     int8_block: int = 256
+    onebit_block: int = 256  # elements per 1-bit scale; 0: one scale per chunk
 
     def __post_init__(self) -> None:
         check_step_arg("outer_every", self.every, "inner steps between outer syncs")
@@ -57,6 +58,10 @@ class OuterSettings:
             raise ValueError(f"invalid outer_alpha {self.alpha!r}: must be below 1 (1 never "
                              "applies the outer update)")
         check_step_arg("outer_int8_block", self.int8_block, "elements per int8 scale")
+        ob = self.onebit_block
+        if isinstance(ob, bool) or not isinstance(ob, int) or ob < 0 or ob % 8:
+            raise ValueError(f"invalid outer_onebit_block {ob!r}: elements per 1-bit scale, "
+                             f"a multiple of 8, or 0 for one scale per chunk")
 
 
 Blocks = Iterable[torch.Tensor] | Iterable[Iterable[torch.Tensor] | nn.Module]

@@ -60,6 +60,7 @@ class OuterSetup:
     group: str = "node"  # node | world
     int8_block: int = 256
     shard: str = "none"  # none | fsdp: parameters sharded inside each node (group node)
+    onebit_block: int = 256  # 0: one 1-bit scale per chunk
 
     def fragments_for(self, optimizer: str) -> int:
         if optimizer == "diloco":
@@ -71,6 +72,10 @@ class OuterSetup:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"setup.outer_{key}: must be a positive integer (got {v!r})")
+        ob = self.onebit_block
+        if isinstance(ob, bool) or not isinstance(ob, int) or ob < 0 or ob % 8:
+            raise SpecError(f"setup.outer_onebit_block: a multiple of 8, or 0 for one scale "
+                            f"per chunk (got {ob!r})")
         if self.compress not in COMPRESSIONS:
             raise SpecError(f"setup.outer_compress: {self.compress!r} is not one of "
                             f"{', '.join(COMPRESSIONS)}")
@@ -92,7 +97,7 @@ class OuterSetup:
 
 
 def exchange_cost(c: ClusterSpec, grp: coll.Group, n: int, compress: str,
-                  block: int = 256) -> tuple[float, float]:
+                  block: int = 256, onebit_block: int = 256) -> tuple[float, float]:
     """(seconds, bytes sent per rank) of averaging ``n`` float32 elements over ``grp`` as
     ``moebit.optim.outer_compress`` does for ``compress``."""
     w = grp.size
@@ -105,6 +110,10 @@ def exchange_cost(c: ClusterSpec, grp: coll.Group, n: int, compress: str,
         row = chunk * (1 + 4 / block)  # int8 values + a float32 scale per block, to each peer
         t, b = coll.all_to_all(c, grp, row)
         return 2 * t + 4 * n / c.pack_rate, 2 * b  # two phases; quantize, dequantize twice
+    if onebit_block:  # signs + a float32 scale per block, two phases (onebit_blocks)
+        chunk = -(-n // (w * onebit_block)) * onebit_block
+        t, b = coll.all_to_all(c, grp, chunk / 8 + 4 * chunk / onebit_block)
+        return 2 * t + 3 * n / c.pack_rate, 2 * b
     seconds, _, sent = coll.onebit_allreduce(c, grp, n)
     return seconds, sent
 
@@ -152,7 +161,8 @@ def predict_outer(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
             inner_t, inner_b = inner_t + et, inner_b + eb
     inner_step = compute + inner_t + a2a_t
     parts = [(dense + frags - 1) // frags] + ([(experts + frags - 1) // frags] if experts else [])
-    costs = [exchange_cost(c, outer, n, o.compress, o.int8_block) for n in parts]
+    costs = [exchange_cost(c, outer, n, o.compress, o.int8_block, o.onebit_block)
+             for n in parts]
     sync_s, sync_b = sum(t for t, _ in costs), sum(b for _, b in costs)
     exposed = max(0.0, sync_s - o.delay * inner_step)
     outer_per_step = frags * exposed / o.every
