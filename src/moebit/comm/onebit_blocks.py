@@ -73,7 +73,6 @@ class BlockOnebitAllreduce:
         self.group, self.block, self.op_prefix = group, block, op_prefix
         initialized = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if initialized else 1
-        self.rank = dist.get_rank(group) if initialized else 0
         self._errors: dict[str, _Errors] = {}
 
     def _chunk(self, n: int) -> int:

@@ -91,8 +91,11 @@ class Transport:
         return self.chosen[key]
 
 
+_NAMES = ("native", "a2a")  # broadcast as 1 + index; 0: not known, measure
+
+
 def _code(name: str | None) -> int:
-    return 0 if name is None else 1 + ("native", "a2a").index(name)
+    return 1 + _NAMES.index(name) if name in _NAMES else 0
 
 
 def agreed_choice(problem: str, group: dist.ProcessGroup,
@@ -100,9 +103,12 @@ def agreed_choice(problem: str, group: dist.ProcessGroup,
     """The transport every rank of ``group`` uses for ``problem``; collective."""
     src = dist.get_global_rank(group, 0)
     first = dist.get_group_rank(group, dist.get_rank()) == 0
-    known = autotune.cached(problem) if first and autotune.enabled() else None
-    flag = torch.tensor([_code(known.choice if known else None)
-                         if autotune.enabled() else _code("native")], dtype=torch.int64)
+    if not autotune.enabled():
+        choice: str | None = "native"
+    else:  # only rank 0's file counts (cached is None where tuning is off)
+        known = autotune.cached(problem) if first else None
+        choice = known.choice if known else None
+    flag = torch.tensor([_code(choice)], dtype=torch.int64)
     dist.broadcast(flag, src, group=group)
     if int(flag) == 0:
         times = torch.zeros(len(candidates), dtype=torch.float64)
@@ -121,7 +127,7 @@ def agreed_choice(problem: str, group: dist.ProcessGroup,
             autotune.remember(problem, best, {n: float(t) / ROUNDS for n, t in zip(names, times,
                                                                                strict=True)})
         return best
-    return ("native", "a2a")[int(flag) - 1]
+    return _NAMES[int(flag) - 1]
 
 
 def problem_key(what: str, group: dist.ProcessGroup, numel: int, dtype: torch.dtype) -> str:
