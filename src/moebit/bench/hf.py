@@ -105,7 +105,8 @@ def _decode(hf: Any, models: dict[str, Any], batch: int, new: int, reps: int) ->
     med = {k: 1e3 * statistics.median(v) for k, v in steps.items()}
     # the fastest of each call length: a difference of medians went negative under load
     med = {"hf": 1e3 * (min(full) - min(one)) / new, **med}
-    out = {f"{k}_decode_ms_b{batch}": round(v, 2) for k, v in med.items()}
+    # 4 decimals: a tiny model's native decode step takes tens of microseconds
+    out = {f"{k}_decode_ms_b{batch}": round(v, 4) for k, v in med.items()}
     out.update({f"{k}_speedup_b{batch}": round(med["hf"] / med[k], 2) for k in models})
     return out
 

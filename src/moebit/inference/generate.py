@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebit.inference import fused_decode
 from moebit.inference.sampling import SamplingParams, sample_rows
 from moebit.models.interface import CausalLM, device_of
 from moebit.moe import TopKGate
@@ -198,6 +199,7 @@ def generate_tokens(
     Hugging Face folder's ``generation_config.json``.
     """
     params = _params(temperature, top_k)
+    fused_decode.attach(model, auto=True)  # decode steps in one native call where the model allows
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_new_tokens < 0:

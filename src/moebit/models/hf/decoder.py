@@ -210,6 +210,11 @@ def hf_load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: i
 class HFDecoder(nn.Module):
     """A causal LM of one of the supported families, configured by ``HFDecoderConfig``."""
 
+    # a one-token decode forward in place of the modules (``moebit.inference.fused_decode``
+    # sets it): called with (ids, cache, logits_to_keep), it returns None for a call it
+    # does not serve, and the modules run that one
+    decode_step: Any = None
+
     def __init__(self, cfg: HFDecoderConfig, ep_groups: Any = None) -> None:
         """``ep_groups``: the expert-parallel groups when ``cfg.ep_size > 1`` (made here,
         collectively, when not given)."""
@@ -250,6 +255,10 @@ class HFDecoder(nn.Module):
                 cache: KVCache | None = None, logits_to_keep: int | torch.Tensor = 0) -> ModelOutput:
         """As ``GPT.forward``: logits, loss (targets), transformers' aux loss and each MoE
         layer's output (``router_logits`` on each; none while decoding with a cache)."""
+        if cache is not None and self.decode_step is not None:
+            out = self.decode_step(input_ids, cache, logits_to_keep)
+            if out is not None:
+                return out
         b, t = input_ids.shape
         if cache is None:
             pos = torch.arange(t, device=input_ids.device)[None].expand(b, t)

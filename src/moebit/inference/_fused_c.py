@@ -1,0 +1,363 @@
+"""The native one-call decode step behind ``moebit.inference.fused_decode``.
+
+Why one call: at batch 1 a Mixtral-style step is 8-10 native GEMVs per layer, and the
+torch modules around them (RMSNorm, RoPE, the cache write, attention, routing, the expert
+loop) cost more than the GEMVs themselves: about 20 us of dispatch per quantized linear
+and a few ms per step in all, measured against 3.5 ms of weight reads (docs/benchmarks/
+decode.md). Here the whole step, every layer and the head, runs inside one OpenMP
+parallel region: each matrix product is split by blocks of output columns over the
+threads (``omp for``), the small per-row work (norms, routing, the residual) runs on one
+thread (``omp single``), and an implicit barrier separates the phases. No thread pool is
+started or joined between products.
+
+The products reuse the GEMV column loops of ``_qgemv_c`` (int8 / int4, per-group scales,
+1-16 rows, ISA dispatch by build) and add a float32 one; so the weights are read in the
+very buffers ``QuantLinear`` / ``QuantExperts`` / ``nn.Linear`` hold, never copied.
+
+Per layer: RMSNorm -> q, k, v (one parallel phase over all three) -> (Qwen3's per-head
+k norm) RoPE on k and the cache write (per row and key/value head) -> (q norm) RoPE on q
+and attention over the row's keys (per row and query head; GQA) -> o -> residual and
+RMSNorm -> router (float32) -> top-k, weights, rows grouped by expert -> gate/up for
+every (chosen expert, column block) with SiLU(gate) * up fused -> down -> weighted
+combine into the residual. Then the final norm and the head. Activations are float32
+throughout, as the module path computes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from moebit.comm._native import open_library
+from moebit.inference import _qgemv_c
+
+STEP_SOURCE = r"""
+#include <math.h>
+#include <omp.h>
+
+typedef struct {
+    const void *w;         /* float32 [n, kp] (bits 32) or packed int8 / int4 rows */
+    const float *s;        /* scales [n, kp / group] (bits 8 / 4) */
+    const float *b;        /* bias [n] or NULL */
+    int64_t n, kp, group, bits;
+    int64_t wstride, sstride; /* stacked experts: bytes of w, floats of s per expert */
+} fd_lin;
+
+typedef struct {
+    const float *ln1, *ln2;
+    const float *qn, *kn;  /* per-head q / k RMSNorm weights [dh] (Qwen3) or NULL */
+    fd_lin q, k, v, o, router, up, down;
+} fd_layer;
+
+typedef struct {
+    int64_t n_layer, d, h, hkv, dh, e, topk, f, vocab, rows_max, threads_max, tmax_max;
+    int64_t renorm;        /* weights renormalised over the k chosen */
+    float eps, scale, routed_scaling;
+    const float *wte, *norm;
+    fd_lin head;
+    const fd_layer *layers;
+    /* scratch, float32 unless named: x, xn [R, d]; qb [R, h*dh]; kb, vb [R, hkv*dh];
+       att [R, h*dh]; ob [R, d]; lg [R, e]; xe [R*k, d]; hu [R*k, 2f]; ha [R*k, f];
+       ye [R*k, d]; sc [threads, tmax]; ints: slot_row, slot_e [R*k]; act_e, act_off,
+       act_n [e]; sw float [R*k] */
+    float *x, *xn, *qb, *kb, *vb, *att, *ob, *lg, *xe, *hu, *ha, *ye, *sc, *sw;
+    int64_t *slot_row, *act_e, *act_off, *act_n, *n_act;
+} fd_model;
+
+#define FB 16 /* output columns per work item */
+
+/* float32 weights [n, kp]: y[r, c] = x[r] . w[c] for c in [n0, n1) */
+static void cols_f(const float *w, const float *x, int64_t R, int64_t N, int64_t K,
+                   float *y, int64_t n0, int64_t n1) {
+    for (int64_t c = n0; c < n1; c++) {
+        const float *wc = w + c * K;
+        for (int64_t r = 0; r < R; r++) {
+            const float *xr = x + r * K;
+            float lane[32] = {0}, t = 0.0f;
+            int64_t k = 0;
+            for (; k + 32 <= K; k += 32)
+                for (int i = 0; i < 32; i++) lane[i] += wc[k + i] * xr[k + i];
+            for (; k < K; k++) t += wc[k] * xr[k];
+            for (int i = 0; i < 32; i++) t += lane[i];
+            y[r * N + c] = t;
+        }
+    }
+}
+
+/* columns [n0, n1) of x[R, kp] @ W^T (expert e of a stacked weight) into y[R, n] */
+static void lin_cols(const fd_lin *L, int64_t e, const float *x, int64_t R, float *y,
+                     int64_t n0, int64_t n1) {
+    const uint8_t *w = (const uint8_t *)L->w + e * L->wstride;
+    const float *s = L->s ? L->s + e * L->sstride : 0;
+    if (L->bits == 32) cols_f((const float *)w, x, R, L->n, L->kp, y, n0, n1);
+    else if (L->bits == 8) cols_8(w, s, x, R, L->n, L->kp, L->group, y, n0, n1);
+    else cols_4(w, s, x, R, L->n, L->kp, L->group, y, n0, n1);
+    if (L->b)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t c = n0; c < n1; c++) y[r * L->n + c] += L->b[c];
+}
+
+static inline int64_t nblk(int64_t n) { return (n + FB - 1) / FB; }
+
+static void rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps) {
+    float lane[16] = {0}, ss = 0.0f;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int j = 0; j < 16; j++) lane[j] += x[i + j] * x[i + j];
+    for (; i < d; i++) ss += x[i] * x[i];
+    for (int j = 0; j < 16; j++) ss += lane[j];
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* transformers' rotate-half RoPE on the first rw dims of one head (the rest pass) */
+static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
+    const int64_t half = rw / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + half] = b * cs[i + half] + a * sn[i + half];
+    }
+}
+
+/* one decode step of R rows: ids [R]; cos, sin [R, rw], or with ``tabled`` tables
+   [tmax, rw] by position (row r at position filled - start[r]); start [R] (first real
+   cache column of each row); filled: the column written now; live [R] or NULL (rows
+   whose feed-forward still runs); kc, vc: per layer [B=R, hkv, tmax, dh]; logits
+   [R, vocab] */
+int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
+            const float *sin_, int64_t rw, int64_t tabled, const int64_t *start, int64_t filled,
+            const uint8_t *live, float *const *kc, float *const *vc, int64_t tmax,
+            float *logits, int nthreads) {
+    if (R < 1 || R > m->rows_max || filled >= tmax || tmax > m->tmax_max) return 1;
+    const int64_t D = m->d, H = m->h, HKV = m->hkv, DH = m->dh, F = m->f, K = m->topk;
+    const int64_t QN = H * DH, KN = HKV * DH, grp = H / HKV;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    int64_t rot[R]; /* offset of each row's cos / sin */
+    for (int64_t r = 0; r < R; r++) rot[r] = (tabled ? filled - start[r] : r) * rw;
+    if (nt > m->threads_max) nt = (int)m->threads_max;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < D; i++) m->x[r * D + i] = m->wte[ids[r] * D + i];
+
+#pragma omp parallel num_threads(nt)
+    {
+        float *sc = m->sc + (int64_t)omp_get_thread_num() * m->tmax_max;
+        for (int64_t l = 0; l < m->n_layer; l++) {
+            const fd_layer *ly = m->layers + l;
+            float *kcl = kc[l], *vcl = vc[l];
+#pragma omp single
+            for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, ly->ln1, m->xn + r * D, D, m->eps);
+            {
+                const int64_t bq = nblk(QN), bk = nblk(KN);
+#pragma omp for schedule(static)
+                for (int64_t j = 0; j < bq + 2 * bk; j++) {
+                    const fd_lin *L = j < bq ? &ly->q : j < bq + bk ? &ly->k : &ly->v;
+                    float *y = j < bq ? m->qb : j < bq + bk ? m->kb : m->vb;
+                    const int64_t b = j < bq ? j : j < bq + bk ? j - bq : j - bq - bk;
+                    const int64_t n0 = b * FB, n1 = n0 + FB < L->n ? n0 + FB : L->n;
+                    lin_cols(L, 0, m->xn, R, y, n0, n1);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < R * HKV; j++) {
+                const int64_t r = j / HKV, g = j % HKV;
+                float *kr = m->kb + r * KN + g * DH;
+                if (ly->kn) rmsnorm(kr, ly->kn, kr, DH, m->eps);
+                rope(kr, cos_ + rot[r], sin_ + rot[r], rw);
+                float *kd = kcl + ((r * HKV + g) * tmax + filled) * DH;
+                float *vd = vcl + ((r * HKV + g) * tmax + filled) * DH;
+                const float *vr = m->vb + r * KN + g * DH;
+                for (int64_t i = 0; i < DH; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < R * H; j++) {
+                const int64_t r = j / H, hh = j % H, g = hh / grp;
+                float *q = m->qb + r * QN + hh * DH;
+                if (ly->qn) rmsnorm(q, ly->qn, q, DH, m->eps);
+                rope(q, cos_ + rot[r], sin_ + rot[r], rw);
+                const float *kb = kcl + (r * HKV + g) * tmax * DH;
+                const float *vb = vcl + (r * HKV + g) * tmax * DH;
+                const int64_t t0 = start[r];
+                float mx = -INFINITY;
+                for (int64_t t = t0; t <= filled; t++) {
+                    const float *kt = kb + t * DH;
+                    float lane[16] = {0}, s = 0.0f;
+                    int64_t i = 0;
+                    for (; i + 16 <= DH; i += 16)
+                        for (int u = 0; u < 16; u++) lane[u] += q[i + u] * kt[i + u];
+                    for (; i < DH; i++) s += q[i] * kt[i];
+                    for (int u = 0; u < 16; u++) s += lane[u];
+                    s *= m->scale;
+                    sc[t] = s;
+                    if (s > mx) mx = s;
+                }
+                float den = 0.0f;
+                for (int64_t t = t0; t <= filled; t++) { sc[t] = expf(sc[t] - mx); den += sc[t]; }
+                const float inv = 1.0f / den;
+                float *out = m->att + r * QN + hh * DH;
+                for (int64_t i = 0; i < DH; i++) out[i] = 0.0f;
+                for (int64_t t = t0; t <= filled; t++) {
+                    const float p = sc[t] * inv;
+                    const float *vt = vb + t * DH;
+                    for (int64_t i = 0; i < DH; i++) out[i] += p * vt[i];
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nblk(D); b++) {
+                const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
+                lin_cols(&ly->o, 0, m->att, R, m->ob, n0, n1);
+            }
+#pragma omp single
+            for (int64_t r = 0; r < R; r++) {
+                for (int64_t i = 0; i < D; i++) m->x[r * D + i] += m->ob[r * D + i];
+                rmsnorm(m->x + r * D, ly->ln2, m->xn + r * D, D, m->eps);
+            }
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nblk(m->e); b++) {
+                const int64_t n0 = b * FB, n1 = n0 + FB < m->e ? n0 + FB : m->e;
+                lin_cols(&ly->router, 0, m->xn, R, m->lg, n0, n1);
+            }
+#pragma omp single
+            {   /* top-k of each live row, weights, then the rows grouped by expert */
+                const int64_t E = m->e;
+                int64_t cnt[E > 0 ? E : 1], slot_e[R * K];
+                for (int64_t e = 0; e < E; e++) cnt[e] = 0;
+                int64_t ns = 0;
+                for (int64_t r = 0; r < R; r++) {
+                    if (live && !live[r]) continue;
+                    const float *lg = m->lg + r * E;
+                    int64_t pick[K];
+                    for (int64_t i = 0; i < K; i++) {
+                        int64_t best = -1;
+                        for (int64_t e = 0; e < E; e++) {
+                            int taken = 0;
+                            for (int64_t j = 0; j < i; j++) taken |= pick[j] == e;
+                            if (!taken && (best < 0 || lg[e] > lg[best])) best = e;
+                        }
+                        pick[i] = best;
+                    }
+                    float mx = lg[0], den = 0.0f, chosen = 0.0f;
+                    for (int64_t e = 1; e < E; e++) if (lg[e] > mx) mx = lg[e];
+                    for (int64_t e = 0; e < E; e++) den += expf(lg[e] - mx);
+                    for (int64_t i = 0; i < K; i++) chosen += expf(lg[pick[i]] - mx);
+                    for (int64_t i = 0; i < K; i++) {
+                        const float p = expf(lg[pick[i]] - mx) / (m->renorm ? chosen : den);
+                        m->sw[ns] = p * m->routed_scaling;
+                        m->slot_row[ns] = r;
+                        slot_e[ns] = pick[i];
+                        cnt[pick[i]]++;
+                        ns++;
+                    }
+                }
+                int64_t na = 0, off = 0;
+                for (int64_t e = 0; e < E; e++) {
+                    if (!cnt[e]) continue;
+                    m->act_e[na] = e; m->act_off[na] = off; m->act_n[na] = 0;
+                    off += cnt[e]; cnt[e] = na++;    /* cnt now maps expert -> active index */
+                }
+                int64_t order[R * K > 0 ? R * K : 1];
+                float wsort[R * K > 0 ? R * K : 1];
+                int64_t rsort[R * K > 0 ? R * K : 1];
+                for (int64_t s = 0; s < ns; s++) {
+                    const int64_t a = cnt[slot_e[s]];
+                    const int64_t dst = m->act_off[a] + m->act_n[a]++;
+                    order[dst] = s;
+                }
+                for (int64_t s = 0; s < ns; s++) {
+                    wsort[s] = m->sw[order[s]];
+                    rsort[s] = m->slot_row[order[s]];
+                }
+                for (int64_t s = 0; s < ns; s++) {
+                    m->sw[s] = wsort[s];
+                    m->slot_row[s] = rsort[s];
+                    for (int64_t i = 0; i < D; i++) m->xe[s * D + i] = m->xn[rsort[s] * D + i];
+                }
+                m->n_act[0] = na;
+                m->n_act[1] = ns;
+            }
+            const int64_t na = m->n_act[0], ns = m->n_act[1], bf = nblk(F), bd = nblk(D);
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < na * bf; j++) {
+                const int64_t a = j / bf, b = j % bf, e = m->act_e[a];
+                const int64_t off = m->act_off[a], n = m->act_n[a];
+                const int64_t n0 = b * FB, n1 = n0 + FB < F ? n0 + FB : F;
+                float *hu = m->hu + off * 2 * F;
+                lin_cols(&ly->up, e, m->xe + off * D, n, hu, n0, n1);
+                lin_cols(&ly->up, e, m->xe + off * D, n, hu, F + n0, F + n1);
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t c = n0; c < n1; c++) {
+                        const float g = hu[r * 2 * F + c];
+                        m->ha[(off + r) * F + c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
+                    }
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < na * bd; j++) {
+                const int64_t a = j / bd, b = j % bd, e = m->act_e[a];
+                const int64_t off = m->act_off[a], n = m->act_n[a];
+                const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
+                lin_cols(&ly->down, e, m->ha + off * F, n, m->ye + off * D, n0, n1);
+            }
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < bd; b++) {   /* combine: columns split, rows in order */
+                const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
+                for (int64_t s = 0; s < ns; s++) {
+                    float *xr = m->x + m->slot_row[s] * D;
+                    const float w = m->sw[s], *y = m->ye + s * D;
+                    for (int64_t c = n0; c < n1; c++) xr[c] += w * y[c];
+                }
+            }
+        }
+#pragma omp single
+        for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, m->norm, m->xn + r * D, D, m->eps);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblk(m->vocab); b++) {
+            const int64_t n0 = b * FB, n1 = n0 + FB < m->vocab ? n0 + FB : m->vocab;
+            lin_cols(&m->head, 0, m->xn, R, logits, n0, n1);
+        }
+    }
+    return 0;
+}
+"""
+
+SOURCE = _qgemv_c.SOURCE + STEP_SOURCE
+
+_VP, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("w", _VP), ("s", _VP), ("b", _VP), ("n", _I64), ("kp", _I64),
+                ("group", _I64), ("bits", _I64), ("wstride", _I64), ("sstride", _I64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln1", _VP), ("ln2", _VP), ("qn", _VP), ("kn", _VP), *((n, Lin) for n in
+                ("q", "k", "v", "o", "router", "up", "down"))]
+
+
+SCRATCH = ("x", "xn", "qb", "kb", "vb", "att", "ob", "lg", "xe", "hu", "ha", "ye", "sc", "sw",
+           "slot_row", "act_e", "act_off", "act_n", "n_act")
+
+
+class Model(ctypes.Structure):
+    _fields_ = [*((n, _I64) for n in ("n_layer", "d", "h", "hkv", "dh", "e", "topk", "f",
+                                      "vocab", "rows_max", "threads_max", "tmax_max",
+                                      "renorm")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("routed_scaling", ctypes.c_float),
+                ("wte", _VP), ("norm", _VP), ("head", Lin), ("layers", _VP),
+                *((n, _VP) for n in SCRATCH)]
+
+
+SIGNATURES = {
+    "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP, _VP, _VP,
+                 _I64, _VP, ctypes.c_int], ctypes.c_int),
+}
+_by_isa: dict[str | None, ctypes.CDLL | None] = {}
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The step for ``isa`` (default: the CPU's best), built on first use; None (one
+    warning) where it cannot be built."""
+    if isa not in _by_isa:
+        _by_isa[isa] = open_library("fused_decode", SOURCE, SIGNATURES, "fused decode step",
+                                    isa=isa, extra_flags=["-fopenmp"])
+    return _by_isa[isa]

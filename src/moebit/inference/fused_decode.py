@@ -1,0 +1,333 @@
+"""The whole decode step of a Hugging Face MoE decoder in one native call.
+
+    fused = attach(model)       # after quantize_model_ (or on a float32 model)
+    fused.reason                # None when attached, else why the module path stays
+    generate_tokens(model, ...) # decode steps of one token per row now run natively
+
+Why: at batch 1 a decode step reads a few MB of weights, which the native GEMVs stream
+in about a millisecond, while the torch modules around them (norms, RoPE, the cache
+write, attention, routing, the expert loop: hundreds of small ops) cost several: on a
+Mixtral of hidden 1024 and 8 layers, 3.5 of the 10 ms of an int8 step were GEMVs. One
+native call per step (``_fused_c``) does the same arithmetic without the dispatch.
+
+What it serves: the Mixtral-style path of ``HFDecoder`` (Mixtral, Qwen3-MoE with its
+per-head q/k norms; every layer an MoE layer of SwiGLU experts, softmax routing with or
+without renormalised top-k), float32, one rank, with a plain
+``KVCache`` (left padding and finished rows included), weights float32 or quantized by
+``quantize_model_`` (int8 / int4, any group whose padding is none). Anything else (MLA,
+sinks, windows, OLMoE's whole-projection q/k norms, dense layers, sigmoid or
+group-limited routing, shared experts, expert parallelism, bf16, the serving engine's
+ragged cache, prefill) keeps the module path:
+``attach`` says why in ``reason``, and the step returns None for a call it does not
+serve, so the model's own forward runs. ``MOEBIT_FUSED_DECODE=0`` turns it off.
+
+The step reads the weights where the modules hold them (no copy). It checks once per
+cache that the modules it was built from are still in place (a later ``quantize_*``
+or ``.to()`` rebuilds it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from moebit.inference import _fused_c
+from moebit.inference.quantize import QuantExperts
+from moebit.inference.quantize_dense import QuantLinear
+from moebit.models.interface import ModelOutput
+from moebit.models.kv_cache import KVCache
+from moebit.moe import MoE
+from moebit.moe.experts import Experts
+
+MAX_ROWS = 64  # rows a step takes (decode batches; the GEMV kernels' sweet spot is 1-16)
+
+
+class Unsupported(ValueError):
+    """The model has a part the native step does not implement (the message names it)."""
+
+
+def _f32(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise Unsupported(f"{what} is {t.dtype} on {t.device}; the native step takes float32 "
+                          f"on the CPU")
+    return t.detach().contiguous()
+
+
+class _Weights:
+    """Keeps every tensor the C structs point to alive, and what they came from."""
+
+    def __init__(self) -> None:
+        self.keep: list[torch.Tensor] = []
+        self.sources: list[tuple[Any, str, Any]] = []  # (owner, attribute, object read)
+
+    def ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def watch(self, owner: Any, attr: str) -> Any:
+        obj = getattr(owner, attr)
+        self.sources.append((owner, attr, obj))
+        return obj
+
+    def fresh(self) -> bool:
+        return all(getattr(o, a) is obj for o, a, obj in self.sources)
+
+
+def _linear(w: _Weights, mod: nn.Module, k: int, what: str) -> _fused_c.Lin:
+    """A dense projection: ``nn.Linear`` (float32) or ``QuantLinear`` (int8 / int4)."""
+    if isinstance(mod, QuantLinear):
+        n, kp = mod.out_features, mod.q.shape[-1] * (2 if mod.bits == 4 else 1)
+        if kp != k:
+            raise Unsupported(f"{what}: quantized with K padded {k} -> {kp}")
+        w.sources.append((mod, "q", mod.q))
+        w.sources.append((mod, "s", mod.s))
+        groups = mod.s.numel() // n
+        return _fused_c.Lin(w.ptr(mod.q), w.ptr(mod.s.contiguous()), w.ptr(mod.bias), n, kp,
+                            kp // groups, mod.bits, 0, 0)
+    if isinstance(mod, nn.Linear):
+        wt = _f32(w.watch(mod, "weight"), f"{what}.weight")
+        b = None if mod.bias is None else _f32(w.watch(mod, "bias"), f"{what}.bias")
+        return _fused_c.Lin(w.ptr(wt), None, w.ptr(b), mod.out_features, k, 0, 32, 0, 0)
+    raise Unsupported(f"{what} is a {type(mod).__name__}, not a Linear")
+
+
+def _experts(w: _Weights, ex: nn.Module, d: int, f: int, what: str) -> tuple[_fused_c.Lin, _fused_c.Lin]:
+    """(gate/up, down) of one layer's experts, stacked: weights [E, N, K] with a stride."""
+    if getattr(ex, "num_local", None) != getattr(ex, "num_experts", None):
+        raise Unsupported(f"{what}: holds {ex.num_local} of {ex.num_experts} experts")
+    if ex.expert_type != "swiglu" or ex.act != "swiglu":
+        raise Unsupported(f"{what}: {ex.act} experts (the step runs SwiGLU)")
+    if isinstance(ex, QuantExperts):
+        if ex.b_up is not None or ex.b_down is not None:
+            raise Unsupported(f"{what}: expert biases")
+        out = []
+        for which, n, k in (("up", 2 * f, d), ("down", d, f)):
+            q, s = w.watch(ex, f"q_{which}"), w.watch(ex, f"s_{which}")
+            e = q.shape[0]
+            kp = q.shape[-1] * (2 if ex.bits == 4 else 1)
+            if kp != k:
+                raise Unsupported(f"{what}.{which}: quantized with K padded {k} -> {kp}")
+            groups = s.numel() // (e * n)
+            out.append(_fused_c.Lin(w.ptr(q), w.ptr(s.contiguous()), None, n, kp, kp // groups,
+                                    ex.bits, q[0].numel() * q.element_size(), s[0].numel()))
+        return out[0], out[1]
+    if isinstance(ex, Experts):
+        if ex.has_bias:
+            raise Unsupported(f"{what}: expert biases")
+        up = _f32(w.watch(ex, "gate_up_proj"), f"{what}.gate_up_proj")
+        down = _f32(w.watch(ex, "down_proj"), f"{what}.down_proj")
+        if tuple(up.shape[1:]) != (2 * f, d) or tuple(down.shape[1:]) != (d, f):
+            raise Unsupported(f"{what}: expert weights {tuple(up.shape)} / {tuple(down.shape)}")
+        return (_fused_c.Lin(w.ptr(up), None, None, 2 * f, d, 0, 32, up[0].numel() * 4, 0),
+                _fused_c.Lin(w.ptr(down), None, None, d, f, 0, 32, down[0].numel() * 4, 0))
+    raise Unsupported(f"{what} is a {type(ex).__name__}")
+
+
+def _check_config(model: nn.Module) -> None:
+    c = model.config
+    named = [("multi-head latent attention", c.is_mla), ("attention sinks", c.attention_sinks),
+             ("sliding windows", c.sliding_window is not None),
+             ("q/k norms over whole projections", c.qk_norm == "full"), ("clip_qkv", c.clip_qkv is not None),
+             ("post-norm blocks", c.post_norm),
+             ("expert parallelism", getattr(model, "ep_groups", None) is not None)]
+    for what, present in named:
+        if present:
+            raise Unsupported(f"{what}")
+    if c.num_heads % c.num_kv_heads:
+        raise Unsupported(f"{c.num_heads} heads over {c.num_kv_heads} key/value heads")
+
+
+def _check_moe(moe: MoE, what: str) -> None:
+    g, mc = moe.gate, moe.config
+    if mc.scoring_func != "softmax":
+        raise Unsupported(f"{what}: {mc.scoring_func} routing")
+    if g.e_score_correction_bias is not None or (mc.n_group > 1 and mc.groups_kept < mc.n_group):
+        raise Unsupported(f"{what}: biased or group-limited expert selection")
+    if moe.shared_expert is not None:
+        raise Unsupported(f"{what}: shared experts")
+
+
+class FusedDecode:
+    """The native step of one model; ``__call__`` runs a decode forward or returns None."""
+
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL) -> None:
+        _check_config(model)
+        c = model.config
+        self.lib, self.model = lib, model
+        w = _Weights()
+        d, h, hkv, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        layers = (_fused_c.Layer * c.num_layers)()
+        f = e = k = None
+        renorm, scaling = 1, 1.0
+        for i, block in enumerate(w.watch(model, "blocks")):
+            what = f"blocks.{i}"
+            moe = w.watch(block, "mlp")
+            if not isinstance(moe, MoE):
+                raise Unsupported(f"{what}: a dense feed-forward layer")
+            _check_moe(moe, f"{what}.mlp")
+            mc = moe.config
+            if f is None:
+                f, e, k = mc.d_ffn, mc.num_experts, mc.num_experts_per_tok
+                renorm = int(not mc.softmax_before_topk or (mc.norm_topk_prob and k > 1))
+                scaling = float(mc.routed_scaling_factor)
+            elif (mc.d_ffn, mc.num_experts, mc.num_experts_per_tok) != (f, e, k):
+                raise Unsupported(f"{what}: experts differ between layers")
+            attn = w.watch(block, "self_attn")
+            ly = layers[i]
+            ly.ln1 = w.ptr(_f32(w.watch(block.input_layernorm, "weight"), f"{what}.input_layernorm"))
+            ly.ln2 = w.ptr(_f32(w.watch(block.post_attention_layernorm, "weight"),
+                                f"{what}.post_attention_layernorm"))
+            if c.qk_norm == "head":
+                ly.qn = w.ptr(_f32(w.watch(attn.q_norm, "weight"), f"{what}.self_attn.q_norm"))
+                ly.kn = w.ptr(_f32(w.watch(attn.k_norm, "weight"), f"{what}.self_attn.k_norm"))
+            for name, k_in in (("q_proj", d), ("k_proj", d), ("v_proj", d), ("o_proj", h * dh)):
+                setattr(ly, name[0], _linear(w, w.watch(attn, name), k_in, f"{what}.self_attn.{name}"))
+            ly.router = _linear(w, w.watch(moe.gate, "router"), d, f"{what}.mlp.gate.router")
+            ly.up, ly.down = _experts(w, w.watch(moe, "experts"), d, f, f"{what}.mlp.experts")
+        self.layers = layers
+        m = _fused_c.Model()
+        m.n_layer, m.d, m.h, m.hkv, m.dh = c.num_layers, d, h, hkv, dh
+        m.e, m.topk, m.f, m.vocab = e, k, f, c.vocab_size
+        m.renorm, m.routed_scaling = renorm, scaling
+        m.eps, m.scale = float(c.rms_norm_eps), 1.0 / math.sqrt(dh)
+        m.wte = w.ptr(_f32(w.watch(model.wte, "weight"), "wte.weight"))
+        m.norm = w.ptr(_f32(w.watch(model.norm, "weight"), "norm.weight"))
+        m.head = _linear(w, w.watch(model, "lm_head"), d, "lm_head")
+        m.layers = ctypes.addressof(layers)
+        self.struct, self.weights = m, w
+        self._rows = self._threads = self._tmax = 0
+        self._scratch: dict[str, torch.Tensor] = {}
+        self._cache_ptrs: tuple[Any, Any, Any] | None = None  # (cache, k array, v array)
+        self._checked: Any = None  # the last cache the modules were checked for
+        # RoPE whose frequencies do not move with the sequence: cos / sin by position,
+        # computed once (dynamic NTK and longrope rescale per call: computed each step)
+        self._tabled = getattr(getattr(model.rotary_emb, "spec", None), "rope_type",
+                               "default") not in ("dynamic", "longrope")
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._zero = torch.zeros(())
+
+    def _ensure_scratch(self, rows: int, threads: int, tmax: int) -> None:
+        if rows <= self._rows and threads <= self._threads and tmax <= self._tmax:
+            return
+        rows, threads = max(rows, self._rows), max(threads, self._threads)
+        tmax = max(tmax, self._tmax)
+        m = self.struct
+        d, qn, kn, e, f, k = m.d, m.h * m.dh, m.hkv * m.dh, m.e, m.f, m.topk
+        sizes = {"x": rows * d, "xn": rows * d, "qb": rows * qn, "kb": rows * kn,
+                 "vb": rows * kn, "att": rows * qn, "ob": rows * d, "lg": rows * e,
+                 "xe": rows * k * d, "hu": rows * k * 2 * f, "ha": rows * k * f,
+                 "ye": rows * k * d, "sc": threads * tmax, "sw": rows * k}
+        ints = {"slot_row": rows * k, "act_e": e, "act_off": e, "act_n": e, "n_act": 2}
+        self._scratch = {n: torch.zeros(max(1, s)) for n, s in sizes.items()}
+        self._scratch.update({n: torch.zeros(max(1, s), dtype=torch.int64) for n, s in ints.items()})
+        for n, t in self._scratch.items():
+            setattr(m, n, t.data_ptr())
+        m.rows_max, m.threads_max, m.tmax_max = rows, threads, tmax
+        self._rows, self._threads, self._tmax = rows, threads, tmax
+
+    def _pointers(self, cache: KVCache) -> tuple[Any, Any]:
+        held = self._cache_ptrs
+        if held is None or held[0] is not cache:
+            n = len(cache.k)
+            held = (cache, (ctypes.c_void_p * n)(*(t.data_ptr() for t in cache.k)),
+                    (ctypes.c_void_p * n)(*(t.data_ptr() for t in cache.v)))
+            self._cache_ptrs = held
+        return held[1], held[2]
+
+    def serves(self, input_ids: torch.Tensor, cache: Any) -> bool:
+        """Whether this call is one the native step runs (else the modules run it)."""
+        if type(cache) is not KVCache or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            return False
+        b = input_ids.shape[0]
+        if not 1 <= b <= MAX_ROWS or torch.is_grad_enabled() or self.model.training:
+            return False
+        k0 = cache.k[0]
+        if k0.dtype != torch.float32 or not k0.is_contiguous() or len(cache.k) != self.struct.n_layer:
+            return False
+        if self._checked is not cache:
+            if not self.weights.fresh():
+                return False
+            self._checked = cache
+        return True
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any,
+                 logits_to_keep: int | torch.Tensor = 0) -> ModelOutput | None:
+        if not self.serves(input_ids, cache):
+            return None
+        b = input_ids.shape[0]
+        threads = torch.get_num_threads()
+        self._ensure_scratch(b, threads, cache.capacity)
+        cos, sin = self._cos_sin(cache)
+        ids = input_ids.contiguous()
+        live = None if all(cache.live) else torch.tensor(cache.live, dtype=torch.uint8)
+        logits = torch.empty(b, 1, self.struct.vocab)
+        kc, vc = self._pointers(cache)
+        rc = self.lib.fd_step(ctypes.byref(self.struct), b, ids.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr(), cos.shape[-1], self._tabled, cache.start_B.data_ptr(),
+                              cache.filled, None if live is None else live.data_ptr(), kc, vc,
+                              cache.capacity, logits.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"native decode step refused its arguments (code {rc})")
+        cache.advance(1)
+        return ModelOutput(logits, None, self._zero, [])
+
+    def _cos_sin(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's cos / sin: rows [B, rw], or (tabled) tables [capacity, rw]."""
+        if not self._tabled:
+            cos, sin = self.model.rotary_emb(cache.positions(1))
+            return cos.contiguous(), sin.contiguous()
+        if cache.filled + 1 > cache.capacity:
+            cache.positions(1)  # raises: the cache is full
+        if self._rope is None or self._rope[0].shape[0] < cache.capacity:
+            pos = torch.arange(cache.capacity)[None]
+            cos, sin = self.model.rotary_emb(pos)
+            self._rope = (cos[0].contiguous(), sin[0].contiguous())
+        return self._rope
+
+
+def enabled() -> bool:
+    return os.environ.get("MOEBIT_FUSED_DECODE", "1") != "0"
+
+
+def attach(model: nn.Module, isa: str | None = None, auto: bool = False) -> FusedDecode | None:
+    """Give ``model`` (an ``HFDecoder``) the native decode step; returns it, or None when
+    it cannot serve this model (``model.decode_step_reason`` says why) or is turned off.
+    Idempotent: a step already attached and still current is returned as it is.
+    ``auto`` (``generate_tokens``): leave a model that ``detach`` turned off as it is."""
+    if auto and getattr(model, "decode_step_off", False):
+        return None
+    model.decode_step_off = False
+    held = getattr(model, "decode_step", None)
+    if isinstance(held, FusedDecode) and held.weights.fresh() and isa is None:
+        return held
+    model.decode_step = None
+    if not hasattr(model, "rotary_emb") or not hasattr(model.config, "qk_norm"):
+        model.decode_step_reason = f"{type(model).__name__} is not a Hugging Face decoder"
+        return None
+    if not enabled():
+        model.decode_step_reason = "MOEBIT_FUSED_DECODE=0"
+        return None
+    lib = _fused_c.load(isa)
+    if lib is None:
+        model.decode_step_reason = "the native build is unavailable"
+        return None
+    try:
+        fused = FusedDecode(model, lib)
+    except Unsupported as e:
+        model.decode_step_reason = str(e)
+        return None
+    model.decode_step, model.decode_step_reason = fused, None
+    return fused
+
+
+def detach(model: nn.Module) -> None:
+    """Back to the module path for every decode step, until ``attach`` is called again."""
+    model.decode_step, model.decode_step_off = None, True
+    model.decode_step_reason = "turned off (fused_decode.detach)"

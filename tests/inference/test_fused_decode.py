@@ -1,0 +1,169 @@
+"""The native one-call decode step (``moebit.inference.fused_decode``) against the module
+path it replaces: logits of single steps, greedy tokens over whole generations (left
+padding, rows that finish early, float32 / int8 / int4 weights, Mixtral and Qwen3-MoE
+shapes), every ISA level this CPU runs, and the cases it must leave to the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebit.comm._native import supported_isas
+from moebit.inference import fused_decode
+from moebit.inference.generate import generate_tokens
+from moebit.inference.quantize_dense import quantize_model_
+from moebit.models.hf.config import HFDecoderConfig
+from moebit.models.hf.decoder import HFDecoder
+
+if fused_decode._fused_c.load() is None:
+    pytest.skip("the native build is unavailable here (no C compiler?)", allow_module_level=True)
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5)
+FAMILIES = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # per-head q/k norms, softmax over all experts without renormalising the top 2
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=96, norm_topk_prob=False, head_dim=16),
+}
+
+
+def make(family: str = "mixtral", bits: int | None = None, seed: int = 0, **over) -> HFDecoder:
+    torch.manual_seed(seed)
+    m = HFDecoder(HFDecoderConfig.from_hf({**BASE, **FAMILIES[family], **over})).eval()
+    with torch.no_grad():  # routers and norms off their init values: real choices
+        for name, p in m.named_parameters():
+            if name.endswith(("router.weight", "norm.weight", "layernorm.weight")):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    if bits:
+        quantize_model_(m, bits)
+    return m
+
+
+def prompts(b: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(b)
+    return [torch.randint(0, 96, (5 + 3 * i,), generator=g).tolist() for i in range(b)]
+
+
+def two_steps(m: HFDecoder, ps: list[list[int]]) -> torch.Tensor:
+    """Prefill (the module path) then two one-token steps; both steps' logits [B, 2, V]."""
+    tmax = max(map(len, ps))
+    cache = m.new_cache(len(ps), tmax + 4, starts=[tmax - len(p) for p in ps])
+    ids = torch.zeros(len(ps), tmax, dtype=torch.long)
+    for i, p in enumerate(ps):
+        ids[i, tmax - len(p):] = torch.tensor(p)
+    nxt = torch.tensor([[p[-1]] for p in ps])
+    with torch.no_grad():
+        m(ids, cache=cache, logits_to_keep=1)
+        return torch.cat([m(nxt, cache=cache).logits, m(nxt + 1, cache=cache).logits], 1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_step_logits_equal_the_module_path(family: str, bits: int | None) -> None:
+    m = make(family, bits)
+    for b in (1, 3):  # 3: left-padded rows of different lengths
+        fused_decode.detach(m)
+        ref = two_steps(m, prompts(b))
+        assert fused_decode.attach(m) is not None, m.decode_step_reason
+        got = two_steps(m, prompts(b))
+        # float32: the same sums in another order; quantized: the modules may take torch's
+        # int8 kernel (bf16 activations) where the native GEMV runs here
+        tol = 1e-5 if bits is None else 3e-3
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_every_isa_level_gives_the_same_greedy_text(isa: str) -> None:
+    m = make("mixtral", 4)
+    ps = prompts(3)
+    fused_decode.detach(m)
+    ref = generate_tokens(m, ps, max_new_tokens=10, temperature=0, batch_size=3, eos=[])
+    assert fused_decode.attach(m, isa=isa) is not None
+    got = generate_tokens(m, ps, max_new_tokens=10, temperature=0, batch_size=3, eos=[])
+    assert got.tokens == ref.tokens
+
+
+def test_rows_that_finish_early_keep_their_text() -> None:
+    """An EOS ends row 0 after its first token while the others go on: the step skips
+    the finished row's experts, and the live rows' text is the module path's."""
+    m = make("mixtral")
+    ps = prompts(3)
+    fused_decode.detach(m)
+    first = generate_tokens(m, ps, max_new_tokens=1, temperature=0, batch_size=3, eos=[])
+    eos = [first.tokens[0][0]]
+    ref = generate_tokens(m, ps, max_new_tokens=12, temperature=0, batch_size=3, eos=eos)
+    fused_decode.attach(m)
+    got = generate_tokens(m, ps, max_new_tokens=12, temperature=0, batch_size=3, eos=eos)
+    assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+    assert got.finish_reasons[0] == "stop"
+
+
+def test_generate_attaches_by_itself_and_detach_sticks() -> None:
+    m = make("mixtral", 8)
+    generate_tokens(m, prompts(1), max_new_tokens=3, temperature=0, eos=[])
+    assert isinstance(m.decode_step, fused_decode.FusedDecode)
+    fused_decode.detach(m)
+    generate_tokens(m, prompts(1), max_new_tokens=3, temperature=0, eos=[])
+    assert m.decode_step is None and "detach" in m.decode_step_reason
+
+
+def test_quantizing_after_attach_rebuilds_the_step() -> None:
+    """The step reads the modules' own buffers: once they are replaced, it must not run
+    on the old ones, and the next attach reads the new ones."""
+    m = make("mixtral")
+    ps = prompts(2)
+    old = fused_decode.attach(m)
+    generate_tokens(m, ps, max_new_tokens=4, temperature=0, batch_size=2, eos=[])
+    quantize_model_(m, 8)
+    assert not old.weights.fresh()
+    assert old(torch.tensor([[1], [2]]), m.new_cache(2, 8)) is None  # stale: modules run
+    fused_decode.detach(m)
+    ref = generate_tokens(m, ps, max_new_tokens=6, temperature=0, batch_size=2, eos=[])
+    fused_decode.attach(m)
+    assert m.decode_step is not old
+    got = generate_tokens(m, ps, max_new_tokens=6, temperature=0, batch_size=2, eos=[])
+    assert got.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("family, over, reason", [
+    ("mixtral", {"first_k_dense_replace": 0, "model_type": "glm4_moe", "n_routed_experts": 4,
+                 "moe_intermediate_size": 96, "n_shared_experts": 0}, "sigmoid routing"),
+    ("qwen3_moe", {"model_type": "qwen2_moe", "shared_expert_intermediate_size": 32},
+     "shared experts"),
+])
+def test_unsupported_models_keep_the_module_path(family: str, over: dict, reason: str) -> None:
+    m = make(family, **over)
+    assert fused_decode.attach(m) is None
+    assert reason in m.decode_step_reason
+    out = generate_tokens(m, prompts(1), max_new_tokens=3, temperature=0, eos=[])
+    assert len(out.tokens[0]) == 3
+
+
+def test_a_training_step_or_grad_mode_keeps_the_module_path() -> None:
+    m = make("mixtral")
+    fused = fused_decode.attach(m)
+    cache = m.new_cache(1, 8)
+    ids = torch.tensor([[3]])
+    m(torch.tensor([[1, 2]]), cache=cache)  # grad enabled: the prefill and this call
+    assert fused(ids, cache) is None
+    with torch.no_grad():
+        assert fused(ids, cache) is not None
+        assert fused(torch.tensor([[3, 4]]), cache) is None  # two tokens: a prefill chunk
+
+
+def test_the_step_refuses_a_full_cache() -> None:
+    m = make("mixtral")
+    fused = fused_decode.attach(m)
+    cache = m.new_cache(1, 3)
+    with torch.no_grad():
+        m(torch.tensor([[1, 2, 3]]), cache=cache)
+        with pytest.raises(ValueError, match="holds 3 columns"):
+            fused(torch.tensor([[4]]), cache)
+
+
+def test_env_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEBIT_FUSED_DECODE", "0")
+    m = make("mixtral")
+    assert fused_decode.attach(m) is None and m.decode_step_reason == "MOEBIT_FUSED_DECODE=0"
