@@ -75,7 +75,7 @@ def test_bench_decode_tiny(tmp_path):
     try:
         assert decode.main(["--configs", "tiny", "--batch", "1", "2", "--prompt", "8",
                             "--new-tokens", "4", "--reps", "1", "--threads", "1",
-                            "--bandwidth-mb", "64", "--json", str(out)]) == 0
+                            "--bandwidth-mb", "64", "--modules", "--json", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
     res = json.loads(out.read_text())
@@ -83,8 +83,12 @@ def test_bench_decode_tiny(tmp_path):
     tiny = res["configs"]["tiny"]
     assert tiny["floors"]["moebit_fp32"]["weight_bytes"] == 462336  # the hand count above
     b1, b2 = tiny["b1"], tiny["b2"]
-    assert set(b1) == {"transformers", "moebit_fp32", "moebit_int8", "moebit_int4",
-                       "moebit_int8_all", "moebit_int4_all"}
+    variants = {"moebit_fp32", "moebit_int8", "moebit_int4", "moebit_int8_all", "moebit_int4_all"}
+    # --modules: each variant again, decoded through the torch modules (same floor)
+    assert set(b1) == {"transformers", *variants, *(v + "_modules" for v in variants)}
+    assert b1["moebit_int8_modules"]["floor_ms"] == b1["moebit_int8"]["floor_ms"]
+    # float32 both ways: the native step's greedy text is the modules'
+    assert b1["moebit_fp32_modules"]["agree_with_moebit_fp32"]["prefix"] == 4
     for name, row in b1.items():
         assert row["ms_per_step"] > 0 and row["x_floor"] > 0, name
     assert "x_floor" not in b2["moebit_int8"]  # the floor is one token's

@@ -48,6 +48,7 @@ import torch
 
 from moebit.bench import decode_floor as fl
 from moebit.comm._native import cpu_model, select_isa
+from moebit.inference import fused_decode
 from moebit.inference.generate import generate_tokens
 from moebit.inference.quantize import quantize_experts_
 from moebit.inference.quantize_dense import quantize_dense_
@@ -105,8 +106,17 @@ def moebit_models(folder: Path, variants: list[str]) -> dict[str, Any]:
     return out
 
 
-def _moebit_run(m: Any, prompts: list[list[int]], new: int) -> tuple[float, list[int]]:
-    """(median decode step s, the first prompt's greedy tokens)."""
+MODULES = "_modules"  # the suffix of a row decoded through the torch modules, step by step
+
+
+def _moebit_run(m: Any, prompts: list[list[int]], new: int,
+                fused: bool = True) -> tuple[float, list[int]]:
+    """(median decode step s, the first prompt's greedy tokens); ``fused``: each step in
+    one native call (``fused_decode``), else through the model's modules."""
+    if fused:
+        fused_decode.attach(m)
+    else:
+        fused_decode.detach(m)
     r = generate_tokens(m, prompts, max_new_tokens=new, temperature=0,
                         batch_size=len(prompts), eos=[])
     return statistics.median(r.per_step_s), r.tokens[0]
@@ -169,7 +179,7 @@ def floors(dims: fl.Dims, gb_s: float) -> dict[str, dict[str, float]]:
 def _scheme_of(variant: str) -> str:
     """A row's weight formats: ``moebit_int8`` its own, ``llamacpp_Q8_0`` ``llamacpp_q8_0``,
     transformers float32 (the same bytes as moebit's)."""
-    return "moebit_fp32" if variant == "transformers" else variant.lower()
+    return "moebit_fp32" if variant == "transformers" else variant.lower().removesuffix(MODULES)
 
 
 def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> dict[str, Any]:
@@ -196,6 +206,9 @@ def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> d
             runners["transformers"] = _hf_runner(hf, prompts)
         runners.update({k: (lambda n, m=m, p=prompts: _moebit_run(m, p, n))
                         for k, m in models.items()})
+        if args.modules:  # the same models, each step through the torch modules
+            runners.update({k + MODULES: (lambda n, m=m, p=prompts: _moebit_run(m, p, n, False))
+                            for k, m in models.items()})
         if peer is not None and b == 1:
             runners.update(peer.runners(prompts[0]))
         res[f"b{b}"] = _rows(time_batch(runners, args.new_tokens, args.reps), res["floors"], b)
@@ -269,6 +282,9 @@ def main(argv: list[str]) -> int:
                     help="buffer of the read-bandwidth measurement (MB)")
     ap.add_argument("--peer", choices=("none", "llamacpp"), default="none")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--modules", action="store_true",
+                    help="also time every moebit variant through its torch modules "
+                         "(rows suffixed _modules): the native one-call step's gain")
     ap.add_argument("--workdir", help="where the folders and GGUF files go (default: a "
                     "temporary folder, removed)")
     ap.add_argument("--json", help="also write the results to this file")
