@@ -12,8 +12,13 @@ from moebit.comm._native import supported_isas
 from moebit.inference import fused_decode
 from moebit.inference.generate import generate_tokens
 from moebit.inference.quantize_dense import quantize_model_
+from moebit.inference.sampling import SamplingParams
 from moebit.models.hf.config import HFDecoderConfig
 from moebit.models.hf.decoder import HFDecoder
+from moebit.models.tokenizer import ByteTokenizer
+from moebit.serve.engine import Engine, Request
+from moebit.serve.ragged import RaggedView
+from moebit.serve.slot_cache import SlotKVCache
 
 if fused_decode._fused_c.load() is None:
     pytest.skip("the native build is unavailable here (no C compiler?)", allow_module_level=True)
@@ -167,3 +172,64 @@ def test_env_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOEBIT_FUSED_DECODE", "0")
     m = make("mixtral")
     assert fused_decode.attach(m) is None and m.decode_step_reason == "MOEBIT_FUSED_DECODE=0"
+
+
+def test_packed_decode_rows_match_the_module_path() -> None:
+    """The serving engine's packed step of decode rows alone ([1, N] ids over a
+    ``RaggedView``, slots out of order, each at its own length) runs natively with the
+    logits of the modules; a step that carries a prefill chunk stays on the modules."""
+    m = make("mixtral", 8, vocab_size=256)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    slots = [2, 0, 3]
+
+    def run(fused: bool) -> torch.Tensor:
+        cache = SlotKVCache.for_model(m, slots=4, scratch=0)
+        outs = []
+        with torch.no_grad():
+            fused_decode.detach(m)  # prefill on the modules, both times
+            for s, seq in zip(slots, seqs, strict=True):
+                m(torch.tensor([seq[:-2]]), cache=RaggedView(cache, [(s, len(seq) - 2)]))
+            if fused:
+                fused_decode.attach(m)
+            for step in (-2, -1):
+                ids = torch.tensor([[seq[step] for seq in seqs]])
+                view = RaggedView(cache, [(s, 1) for s in slots])
+                outs.append(m(ids, cache=view, logits_to_keep=torch.tensor([2, 0])).logits)
+        assert cache.lengths == [len(seqs[1]), 0, len(seqs[0]), len(seqs[2])]
+        return torch.cat(outs)
+
+    ref = run(False)
+    got = run(True)
+    assert m.decode_step.steps == 2
+    torch.testing.assert_close(got, ref, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("engine", ["ragged", "legacy"])
+def test_the_serving_engine_gives_the_module_paths_text(engine: str) -> None:
+    """Requests joining and leaving while others decode, in both engines: every text
+    equals the one the modules give, and the native step served the decode steps."""
+    m = make("mixtral", vocab_size=256)
+    m.config.block_size = 64
+    prompts = [b"def f(x):\n", b"class A:", b"import os\nimport", b"x = 1"]
+
+    def serve(fused: bool) -> list[list[int]]:
+        if fused:
+            fused_decode.attach(m)
+        else:
+            fused_decode.detach(m)
+        eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8, max_batch_tokens=8,
+                     engine=engine)
+        reqs = [Request(str(i), list(p), SamplingParams(max_tokens=6 + 2 * i, temperature=0),
+                        lambda e: None) for i, p in enumerate(prompts)]
+        for r in reqs:
+            eng.submit(r)
+        with torch.no_grad():  # as Engine.run steps
+            while eng.busy():
+                eng.step()
+        return [r.out for r in reqs]
+
+    want = serve(False)
+    got = serve(True)
+    assert got == want and all(want)
+    assert m.decode_step.steps > 0

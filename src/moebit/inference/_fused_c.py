@@ -119,21 +119,25 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
     }
 }
 
-/* one decode step of R rows: ids [R]; cos, sin [R, rw], or with ``tabled`` tables
-   [tmax, rw] by position (row r at position filled - start[r]); start [R] (first real
-   cache column of each row); filled: the column written now; live [R] or NULL (rows
-   whose feed-forward still runs); kc, vc: per layer [B=R, hkv, tmax, dh]; logits
-   [R, vocab] */
+/* one decode step of R rows, row r in cache row slot[r]: its keys are columns
+   first[r] .. col[r] - 1, its new key and value go to column col[r], at position
+   col[r] - first[r]. ids [R]; cos, sin [R, rw], or with ``tabled`` tables [tmax, rw] by
+   position; live [R] or NULL (rows whose feed-forward still runs); kc, vc: per layer
+   [rows of the cache, hkv, tmax, dh]; logits [R, vocab] */
 int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
-            const float *sin_, int64_t rw, int64_t tabled, const int64_t *start, int64_t filled,
-            const uint8_t *live, float *const *kc, float *const *vc, int64_t tmax,
-            float *logits, int nthreads) {
-    if (R < 1 || R > m->rows_max || filled >= tmax || tmax > m->tmax_max) return 1;
+            const float *sin_, int64_t rw, int64_t tabled, const int64_t *slot,
+            const int64_t *first, const int64_t *col, const uint8_t *live,
+            float *const *kc, float *const *vc, int64_t tmax, float *logits, int nthreads) {
+    if (R < 1 || R > m->rows_max || tmax > m->tmax_max) return 1;
+    for (int64_t r = 0; r < R; r++)
+        if (col[r] >= tmax || first[r] > col[r] || first[r] < 0) return 2;
+    for (int64_t r = 0; r < R; r++)
+        if (ids[r] < 0 || ids[r] >= m->vocab) return 3;
     const int64_t D = m->d, H = m->h, HKV = m->hkv, DH = m->dh, F = m->f, K = m->topk;
     const int64_t QN = H * DH, KN = HKV * DH, grp = H / HKV;
     int nt = nthreads < 1 ? 1 : nthreads;
     int64_t rot[R]; /* offset of each row's cos / sin */
-    for (int64_t r = 0; r < R; r++) rot[r] = (tabled ? filled - start[r] : r) * rw;
+    for (int64_t r = 0; r < R; r++) rot[r] = (tabled ? col[r] - first[r] : r) * rw;
     if (nt > m->threads_max) nt = (int)m->threads_max;
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < D; i++) m->x[r * D + i] = m->wte[ids[r] * D + i];
@@ -163,8 +167,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 float *kr = m->kb + r * KN + g * DH;
                 if (ly->kn) rmsnorm(kr, ly->kn, kr, DH, m->eps);
                 rope(kr, cos_ + rot[r], sin_ + rot[r], rw);
-                float *kd = kcl + ((r * HKV + g) * tmax + filled) * DH;
-                float *vd = vcl + ((r * HKV + g) * tmax + filled) * DH;
+                float *kd = kcl + ((slot[r] * HKV + g) * tmax + col[r]) * DH;
+                float *vd = vcl + ((slot[r] * HKV + g) * tmax + col[r]) * DH;
                 const float *vr = m->vb + r * KN + g * DH;
                 for (int64_t i = 0; i < DH; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
             }
@@ -174,9 +178,9 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 float *q = m->qb + r * QN + hh * DH;
                 if (ly->qn) rmsnorm(q, ly->qn, q, DH, m->eps);
                 rope(q, cos_ + rot[r], sin_ + rot[r], rw);
-                const float *kb = kcl + (r * HKV + g) * tmax * DH;
-                const float *vb = vcl + (r * HKV + g) * tmax * DH;
-                const int64_t t0 = start[r];
+                const float *kb = kcl + (slot[r] * HKV + g) * tmax * DH;
+                const float *vb = vcl + (slot[r] * HKV + g) * tmax * DH;
+                const int64_t t0 = first[r], filled = col[r];
                 float mx = -INFINITY;
                 for (int64_t t = t0; t <= filled; t++) {
                     const float *kt = kb + t * DH;
@@ -348,8 +352,8 @@ class Model(ctypes.Structure):
 
 
 SIGNATURES = {
-    "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP, _VP, _VP,
-                 _I64, _VP, ctypes.c_int], ctypes.c_int),
+    "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
+                 _VP, _VP, _I64, _VP, ctypes.c_int], ctypes.c_int),
 }
 _by_isa: dict[str | None, ctypes.CDLL | None] = {}
 

@@ -39,8 +39,8 @@ from torch import nn
 from moebit.inference import _fused_c
 from moebit.inference.quantize import QuantExperts
 from moebit.inference.quantize_dense import QuantLinear
-from moebit.models.interface import ModelOutput
-from moebit.models.kv_cache import KVCache
+from moebit.models.interface import ModelOutput, keep_columns
+from moebit.models.kv_cache import DecodeRows, KVCache
 from moebit.moe import MoE
 from moebit.moe.experts import Experts
 
@@ -202,6 +202,7 @@ class FusedDecode:
         m.head = _linear(w, w.watch(model, "lm_head"), d, "lm_head")
         m.layers = ctypes.addressof(layers)
         self.struct, self.weights = m, w
+        self.steps = 0  # calls served natively
         self._rows = self._threads = self._tmax = 0
         self._scratch: dict[str, torch.Tensor] = {}
         self._cache_ptrs: tuple[Any, Any, Any] | None = None  # (cache, k array, v array)
@@ -241,53 +242,65 @@ class FusedDecode:
             self._cache_ptrs = held
         return held[1], held[2]
 
-    def serves(self, input_ids: torch.Tensor, cache: Any) -> bool:
-        """Whether this call is one the native step runs (else the modules run it)."""
-        if type(cache) is not KVCache or input_ids.dim() != 2 or input_ids.shape[1] != 1:
-            return False
-        b = input_ids.shape[0]
-        if not 1 <= b <= MAX_ROWS or torch.is_grad_enabled() or self.model.training:
-            return False
-        k0 = cache.k[0]
-        if k0.dtype != torch.float32 or not k0.is_contiguous() or len(cache.k) != self.struct.n_layer:
-            return False
-        if self._checked is not cache:
+    def _decode_rows(self, input_ids: torch.Tensor, cache: Any) -> DecodeRows | None:
+        """Where the tokens of a call the native step serves read and write, else None:
+        a step of one token per row of a cache that says so (``decode_rows``: a batch's
+        ``KVCache``, the serving engine's slots, a packed step of decode rows alone)."""
+        if (torch.is_grad_enabled() or self.model.training or input_ids.dim() != 2
+                or not hasattr(cache, "decode_rows")):
+            return None
+        b, t = input_ids.shape
+        if not 1 <= b * t <= MAX_ROWS:
+            return None
+        rows = cache.decode_rows(b, t)
+        if rows is None:
+            return None
+        k0 = rows.cache.k[0]
+        if (k0.dtype != torch.float32 or not k0.is_contiguous()
+                or len(rows.cache.k) != self.struct.n_layer):
+            return None
+        if self._checked is not rows.cache:
             if not self.weights.fresh():
-                return False
-            self._checked = cache
-        return True
+                return None
+            self._checked = rows.cache
+        return rows
 
     def __call__(self, input_ids: torch.Tensor, cache: Any,
                  logits_to_keep: int | torch.Tensor = 0) -> ModelOutput | None:
-        if not self.serves(input_ids, cache):
+        rows = self._decode_rows(input_ids, cache)
+        if rows is None:
             return None
-        b = input_ids.shape[0]
+        b, t = input_ids.shape
+        n, base = b * t, rows.cache
         threads = torch.get_num_threads()
-        self._ensure_scratch(b, threads, cache.capacity)
-        cos, sin = self._cos_sin(cache)
-        ids = input_ids.contiguous()
-        live = None if all(cache.live) else torch.tensor(cache.live, dtype=torch.uint8)
-        logits = torch.empty(b, 1, self.struct.vocab)
-        kc, vc = self._pointers(cache)
-        rc = self.lib.fd_step(ctypes.byref(self.struct), b, ids.data_ptr(), cos.data_ptr(),
-                              sin.data_ptr(), cos.shape[-1], self._tabled, cache.start_B.data_ptr(),
-                              cache.filled, None if live is None else live.data_ptr(), kc, vc,
-                              cache.capacity, logits.data_ptr(), threads)
+        self._ensure_scratch(n, threads, base.capacity)
+        if self._tabled:
+            cos, sin = self._rope_table(base.capacity)
+        else:
+            pos = (rows.col - rows.first)[:, None]
+            cos, sin = (x.reshape(n, -1).contiguous() for x in self.model.rotary_emb(pos))
+        ids = input_ids.reshape(-1).contiguous()
+        slot, first, col = (x.contiguous() for x in (rows.slot, rows.first, rows.col))
+        logits = torch.empty(b, t, self.struct.vocab)
+        kc, vc = self._pointers(base)
+        rc = self.lib.fd_step(ctypes.byref(self.struct), n, ids.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr(), cos.shape[-1], self._tabled, slot.data_ptr(),
+                              first.data_ptr(), col.data_ptr(),
+                              None if rows.live is None else rows.live.data_ptr(), kc, vc,
+                              base.capacity, logits.data_ptr(), threads)
+        if rc == 3:
+            raise IndexError(f"a token id of {ids.tolist()} is outside the vocabulary "
+                             f"({self.struct.vocab})")
         if rc != 0:
             raise RuntimeError(f"native decode step refused its arguments (code {rc})")
-        cache.advance(1)
-        return ModelOutput(logits, None, self._zero, [])
+        cache.advance(t)
+        self.steps += 1
+        return ModelOutput(keep_columns(logits, logits_to_keep), None, self._zero, [])
 
-    def _cos_sin(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's cos / sin: rows [B, rw], or (tabled) tables [capacity, rw]."""
-        if not self._tabled:
-            cos, sin = self.model.rotary_emb(cache.positions(1))
-            return cos.contiguous(), sin.contiguous()
-        if cache.filled + 1 > cache.capacity:
-            cache.positions(1)  # raises: the cache is full
-        if self._rope is None or self._rope[0].shape[0] < cache.capacity:
-            pos = torch.arange(cache.capacity)[None]
-            cos, sin = self.model.rotary_emb(pos)
+    def _rope_table(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [capacity, rw] by position, computed once (and when a cache is longer)."""
+        if self._rope is None or self._rope[0].shape[0] < capacity:
+            cos, sin = self.model.rotary_emb(torch.arange(capacity)[None])
             self._rope = (cos[0].contiguous(), sin[0].contiguous())
         return self._rope
 

@@ -22,6 +22,7 @@ layer that asks) and shared by all layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,21 @@ def sdpa(q_BHTd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor,
     return F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask,
                                           is_causal=causal, scale=scale,
                                           enable_gqa=q_BHTd.shape[1] != k_BHSd.shape[1])
+
+
+@dataclass
+class DecodeRows:
+    """Where the tokens of a step of one token per row read and write, for a native decode
+    step that does the attention itself (``moebit.inference.fused_decode``): token r
+    writes column ``col[r]`` of row ``slot[r]`` of ``cache``'s buffers and sees columns
+    ``first[r] .. col[r]``, at position ``col[r] - first[r]``; ``live`` (uint8, or None
+    for all) marks the tokens whose feed-forward must run."""
+
+    cache: KVCache  # the one holding the [rows, H, T_max, Dh] buffers
+    slot: torch.Tensor
+    first: torch.Tensor
+    col: torch.Tensor
+    live: torch.Tensor | None
 
 
 class KVCache:
@@ -120,6 +136,17 @@ class KVCache:
     def advance(self, t: int) -> None:
         """The forward of ``t`` columns is done: the next one writes after them."""
         self.filled += t
+
+    def decode_rows(self, b: int, t: int) -> DecodeRows | None:
+        """A step of one token per row of ``b`` rows (``t`` == 1): every row writes column
+        ``filled`` and sees its real columns; None for a longer forward."""
+        if t != 1 or b != self.batch:
+            return None
+        if self.filled + 1 > self.capacity:
+            self.positions(1)  # raises: the cache is full
+        live = None if all(self.live) else torch.tensor(self.live, dtype=torch.uint8)
+        return DecodeRows(self, torch.arange(b), self.start_B, torch.full((b,), self.filled),
+                          live)
 
     def mask_for(self, t: int) -> torch.Tensor | None:
         """The attention mask of ``t`` new queries over all keys so far, [B|1, 1, t, S] bool.

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moebit.inference import fused_decode
 from moebit.inference.generate import dropless
 from moebit.inference.sampling import SamplingParams, find_stop, sample_rows
 from moebit.models.interface import CausalLM, device_of
@@ -109,6 +110,8 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.model, self.tok = model.eval(), tokenizer
+        # steps of decode tokens alone in one native call where the model allows
+        fused_decode.attach(model, auto=True)
         self.block_size = model.config.block_size
         self.vocab_size = int(model.config.vocab_size)
         self.eos = frozenset(eos)  # token ids that end a request ("stop"), not part of its text

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moebit.models.kv_cache import sdpa
+from moebit.models.kv_cache import DecodeRows, sdpa
 from moebit.serve.slot_cache import SlotKVCache
 
 
@@ -119,6 +119,17 @@ class RaggedView:
             y[:, :, i:i + n] = sdpa(q_1HNd[:, :, i:i + n], kb[s:s + 1, :, :start + n],
                                     vb[s:s + 1, :, :start + n], mask, start == 0, scale)
         return y
+
+    def decode_rows(self, b: int, t: int) -> DecodeRows | None:
+        """A packed step of decode tokens alone ([1, N] ids, every segment one token):
+        each writes its slot's next column and sees the slot's columns before it."""
+        if b != 1 or self.chunks or t != self.n or not self.n:
+            return None
+        self.positions(t)  # raises when a slot is full
+        slots = [s for s, _ in self.segments]
+        lens = self.cache.lengths
+        return DecodeRows(self.cache, torch.tensor(slots), torch.zeros(t, dtype=torch.long),
+                          torch.tensor([lens[s] for s in slots]), None)
 
     def advance(self, t: int) -> None:
         self._check(t)

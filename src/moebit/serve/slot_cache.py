@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from moebit.models.interface import CausalLM
-from moebit.models.kv_cache import KVCache
+from moebit.models.kv_cache import DecodeRows, KVCache
 
 
 class SlotKVCache(KVCache):
@@ -134,6 +134,16 @@ class SlotKVCache(KVCache):
             return None
         real_RT = torch.arange(t)[None] < torch.tensor(self.n_real)[:, None]
         return real_RT.reshape(-1).nonzero().squeeze(1).to(self.len_R.device)
+
+    def decode_rows(self, b: int, t: int) -> DecodeRows | None:
+        """One token per bound slot, at its own length; a slot with no real token rides
+        along (its feed-forward skipped, its column written and later overwritten)."""
+        if t != 1 or not self.rows or b != len(self.rows):
+            return None
+        if self._base + 1 > self.capacity:
+            self.positions(1)  # raises: a slot is full
+        live = None if self.n_real is None else torch.tensor(self.n_real, dtype=torch.uint8)
+        return DecodeRows(self, self.rows_R, torch.zeros_like(self.len_R), self.len_R, live)
 
     def advance(self, t: int) -> None:
         real = self.n_real or [t] * len(self.rows)
