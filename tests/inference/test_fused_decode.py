@@ -233,3 +233,46 @@ def test_the_serving_engine_gives_the_module_paths_text(engine: str) -> None:
     got = serve(True)
     assert got == want and all(want)
     assert m.decode_step.steps > 0
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_int4_on_8bit_activations_is_the_exact_product_of_the_rounded_blocks(isa: str) -> None:
+    """The int4 x int8-activation product (integer dot products per block of 32) equals,
+    to float rounding, the product of the dequantized weights and the activations
+    rounded to 8 bits per block (d = max|x| / 127, round half to even)."""
+    import ctypes  # noqa: F401 - the library's functions take raw pointers
+
+    from moebit.inference import qgemv
+
+    lib = fused_decode._fused_c.load(isa)
+    torch.manual_seed(0)
+    for r, n, k in ((1, 48, 64), (3, 40, 96), (6, 17, 128)):
+        qw = qgemv.quantize_weight(torch.randn(n, k), 4, 32)
+        x = torch.randn(r, k)
+        x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+        y = torch.empty(r, n)
+        xq, xd, xc = torch.empty(r * k, dtype=torch.int8), torch.empty(r * k // 32), torch.empty(r * k // 32)
+        lib.fd_q4q8(qw.q.data_ptr(), qw.s.data_ptr(), x.data_ptr(), r, n, k, xq.data_ptr(),
+                    xd.data_ptr(), xc.data_ptr(), y.data_ptr())
+        xb = x.reshape(r, k // 32, 32)
+        d = xb.abs().amax(-1, keepdim=True) / 127
+        xr = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(r, k)
+        want = xr.double() @ qgemv.dequantize_weight(qw).double().t()
+        torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+        # and the rounding itself: each activation within half its block's step
+        assert ((xr - x).abs() <= d.repeat_interleave(32, 1).reshape(r, k) / 2 + 1e-7).all()
+
+
+def test_int8_activations_stay_close_and_are_asked_for() -> None:
+    m = make("mixtral", 4, num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
+    ps = prompts(3)
+    assert fused_decode.attach(m) is not None and not m.decode_step.int8_activations
+    ref = two_steps(m, ps)
+    assert fused_decode.attach(m, int8_activations=True) is not None, m.decode_step_reason
+    got = two_steps(m, ps)
+    rel = (got - ref).norm() / ref.norm()
+    assert 0 < rel < 0.03  # rounded activations: close, not equal
+    assert fused_decode.attach(m, auto=True).int8_activations  # kept by generate's attach
+    f32 = make("mixtral", num_attention_heads=2, num_key_value_heads=1)  # float: no use
+    assert fused_decode.attach(f32, int8_activations=True) is None
+    assert "no int4 weight" in f32.decode_step_reason

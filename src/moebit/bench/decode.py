@@ -7,7 +7,8 @@ For each configuration this builds a random Mixtral-style Hugging Face folder wi
 transformers (byte vocabulary, routers given a realistic spread), loads the very same
 weights into moebit in float32, int8 experts and int4 experts (``--quantize``'s formats)
 and ``int8_all`` / ``int4_all``: the dense projections (attention, head) quantized too
-(``moebit.inference.quantize_dense``),
+(``moebit.inference.quantize_dense``), ``int4_all_a8``: the same int4 weights multiplied
+by activations rounded to 8 bits per 32 (``--activations int8``),
 and decodes greedily from a ``--prompt``-token prompt for ``--new-tokens`` tokens at each
 ``--batch``, all on ``--threads`` threads. It measures the machine's streaming read rate
 with those threads (``decode_floor.read_bandwidth``) and prints every variant's ms per
@@ -62,9 +63,12 @@ CONFIGS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4),
 }
-# variant -> (expert bits, dense projections quantized too); "_all": attention and head too
-MOEBIT_VARIANTS = {"fp32": (None, False), "int8": (8, False), "int4": (4, False),
-                   "int8_all": (8, True), "int4_all": (4, True)}
+# variant -> (expert bits, dense projections quantized too, 8-bit activations for the int4
+# products); "_all": attention and head too; "_a8": llama.cpp's Q4_0 x Q8_0 arithmetic
+MOEBIT_VARIANTS = {"fp32": (None, False, False), "int8": (8, False, False),
+                   "int4": (4, False, False), "int8_all": (8, True, False),
+                   "int4_all": (4, True, False), "int4_all_a8": (4, True, True)}
+A8 = "_a8"
 
 
 def build_folder(name: str, folder: Path, seed: int = 0) -> Any:
@@ -97,7 +101,7 @@ def moebit_models(folder: Path, variants: list[str]) -> dict[str, Any]:
     out = {}
     for v in variants:
         m = from_pretrained(str(folder)).eval()
-        bits, dense = MOEBIT_VARIANTS[v]
+        bits, dense, _ = MOEBIT_VARIANTS[v]
         if bits is not None:
             quantize_experts_(m, bits=bits)
         if dense:
@@ -109,12 +113,13 @@ def moebit_models(folder: Path, variants: list[str]) -> dict[str, Any]:
 MODULES = "_modules"  # the suffix of a row decoded through the torch modules, step by step
 
 
-def _moebit_run(m: Any, prompts: list[list[int]], new: int,
-                fused: bool = True) -> tuple[float, list[int]]:
+def _moebit_run(m: Any, prompts: list[list[int]], new: int, fused: bool = True,
+                a8: bool = False) -> tuple[float, list[int]]:
     """(median decode step s, the first prompt's greedy tokens); ``fused``: each step in
-    one native call (``fused_decode``), else through the model's modules."""
+    one native call (``fused_decode``; ``a8``: its int4 products on 8-bit activations),
+    else through the model's modules."""
     if fused:
-        fused_decode.attach(m)
+        fused_decode.attach(m, int8_activations=a8)
     else:
         fused_decode.detach(m)
     r = generate_tokens(m, prompts, max_new_tokens=new, temperature=0,
@@ -179,7 +184,9 @@ def floors(dims: fl.Dims, gb_s: float) -> dict[str, dict[str, float]]:
 def _scheme_of(variant: str) -> str:
     """A row's weight formats: ``moebit_int8`` its own, ``llamacpp_Q8_0`` ``llamacpp_q8_0``,
     transformers float32 (the same bytes as moebit's)."""
-    return "moebit_fp32" if variant == "transformers" else variant.lower().removesuffix(MODULES)
+    if variant == "transformers":
+        return "moebit_fp32"
+    return variant.lower().removesuffix(MODULES).removesuffix(A8)
 
 
 def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> dict[str, Any]:
@@ -193,6 +200,11 @@ def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> d
                            "kv_mb_at_end": round(fl.kv_bytes(dims, args.prompt + args.new_tokens)
                                                  / 1e6, 2)}
     models = moebit_models(folder, args.variants)
+    for k in [k for k in models if k.endswith(A8)]:  # a shape the 8-bit blocks do not fit
+        if fused_decode.attach(models[k], int8_activations=True) is None:
+            res.setdefault("skipped", {})[k] = models[k].decode_step_reason
+            print(f"{name}: {k} skipped: {models[k].decode_step_reason}", file=sys.stderr)
+            del models[k]
     peer = None
     if args.peer == "llamacpp":
         from moebit.bench.decode_llamacpp import LlamaCppPeer
@@ -204,11 +216,12 @@ def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> d
         runners: dict[str, Any] = {}
         if not args.no_transformers:
             runners["transformers"] = _hf_runner(hf, prompts)
-        runners.update({k: (lambda n, m=m, p=prompts: _moebit_run(m, p, n))
+        runners.update({k: (lambda n, m=m, p=prompts, k=k: _moebit_run(m, p, n,
+                                                                        a8=k.endswith(A8)))
                         for k, m in models.items()})
         if args.modules:  # the same models, each step through the torch modules
             runners.update({k + MODULES: (lambda n, m=m, p=prompts: _moebit_run(m, p, n, False))
-                            for k, m in models.items()})
+                            for k, m in models.items() if not k.endswith(A8)})
         if peer is not None and b == 1:
             runners.update(peer.runners(prompts[0]))
         res[f"b{b}"] = _rows(time_batch(runners, args.new_tokens, args.reps), res["floors"], b)
@@ -240,7 +253,7 @@ def _rows(timed: dict[str, Any], floor: dict[str, dict[str, float]], b: int) -> 
         rows[k] = row
     for mb, peer in (("moebit_fp32", "llamacpp_F32"), ("moebit_int8", "llamacpp_Q8_0"),
                      ("moebit_int8_all", "llamacpp_Q8_0"), ("moebit_int4", "llamacpp_Q4_0"),
-                     ("moebit_int4_all", "llamacpp_Q4_0")):
+                     ("moebit_int4_all", "llamacpp_Q4_0"), ("moebit_int4_all_a8", "llamacpp_Q4_0")):
         if mb in ms and peer in ms:
             rows[mb][f"tokens_per_s_vs_{peer}"] = round(ms[peer] / ms[mb], 4)
     return rows

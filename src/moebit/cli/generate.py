@@ -31,6 +31,7 @@ import torch.distributed as dist
 from moebit.checkpoint import CheckpointError, read_manifest
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
+from moebit.inference import fused_decode
 from moebit.inference.generate import eos_token_ids, generate_tokens
 from moebit.inference.loading import init_folder_of, load_model, model_config_of, resolve_checkpoint
 from moebit.inference.quantize_dense import SCOPES, quantize_model_
@@ -61,6 +62,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
                     help="int8: weight-only int8 (per-output-channel scales); int4: one "
                          "scale per 32 weights; what is quantized: --quantize-scope")
+    ap.add_argument("--activations", choices=("float32", "int8"), default="float32",
+                    help="int8: with --quantize int4, the native decode step multiplies the "
+                         "int4 weights by activations rounded to 8 bits per 32 (faster; "
+                         "llama.cpp's Q4_0 x Q8_0 arithmetic)")
     ap.add_argument("--quantize-scope", choices=SCOPES, default="all",
                     help="all: experts and the dense projections (attention, dense MLPs, "
                          "head); experts: the experts only")
@@ -184,6 +189,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             reports = quantize_model_(model, int(args.quantize[3:]), args.quantize_scope)
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
+        if args.activations == "int8":
+            fused_decode.use_int8_activations(model)
         load_s = time.perf_counter() - t0
         prompts = _prompts(args)
         res = generate_tokens(

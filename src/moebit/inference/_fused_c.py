@@ -51,6 +51,7 @@ typedef struct {
 typedef struct {
     int64_t n_layer, d, h, hkv, dh, e, topk, f, vocab, rows_max, threads_max, tmax_max;
     int64_t renorm;        /* weights renormalised over the k chosen */
+    int64_t act8;          /* int4 weights (groups of 32) take 8-bit activations */
     float eps, scale, routed_scaling;
     const float *wte, *norm;
     fd_lin head;
@@ -61,7 +62,119 @@ typedef struct {
        act_n [e]; sw float [R*k] */
     float *x, *xn, *qb, *kb, *vb, *att, *ob, *lg, *xe, *hu, *ha, *ye, *sc, *sw;
     int64_t *slot_row, *act_e, *act_off, *act_n, *n_act;
+    /* with act8: the 8-bit copies of xn, att, xe, ha (int8, same shapes) and per block of
+       32 their scales d and offsets c (float32, a 32nd of the shape) */
+    int8_t *xnq, *attq, *xeq, *haq;
+    float *xnd, *xnc, *attd, *attc, *xed, *xec, *had, *hac;
 } fd_model;
+
+/* an activation matrix [R, kp] as a product reads it: float32, and with act8 its 8-bit
+   blocks (q [R, kp], d and c [R, kp / 32]) */
+typedef struct {
+    const float *x;
+    const int8_t *q;
+    const float *d, *c;
+} fd_act;
+
+static inline fd_act act_at(const float *x, const int8_t *q, const float *d, const float *c,
+                            int64_t off) {
+    fd_act a = {x + off, q ? q + off : 0, q ? d + off / 32 : 0, q ? c + off / 32 : 0};
+    return a;
+}
+
+/* 8-bit blocks of 32 activations, as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d);
+   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product */
+static void quant8(const float *x, int64_t nblk, int8_t *q, float *d, float *c) {
+    for (int64_t b = 0; b < nblk; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)lrintf(xb[i] * inv);
+            q[b * 32 + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = amax / 127.0f;
+        c[b] = 8.0f * d[b] * (float)sum;
+    }
+}
+
+/* int4 weights in groups of 32 (the nibble layout of ``_qgemv_c``, stored q + 8) times
+   8-bit activation blocks: per block an integer dot product of the unsigned nibbles and
+   the signed activations (one instruction with AVX-512 VNNI, two with AVX2), scaled
+   once by s_w * d_x; the nibbles' +8 is taken off once per output through c */
+#if defined(__AVX2__)
+static inline float fd_hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+static inline __m256i dot_u4s8(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else   /* u <= 15, |x| <= 127: a pair's sum fits int16 without saturating */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
+                     int64_t Kp, float *y, int64_t n0, int64_t n1) {
+    const int64_t G = Kp / 32, rowb = Kp / 2;
+    for (int64_t c = n0; c < n1; c++) {
+        const uint8_t *qc = q + c * rowb;
+        const float *sc = s + c * G;
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *xq = a->q + r * Kp;
+            const float *xd = a->d + r * G, *xc = a->c + r * G;
+            float corr = 0.0f, tot = 0.0f;
+            for (int64_t g = 0; g < G; g++) corr += sc[g] * xc[g];
+#if defined(__AVX2__)
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            int64_t g = 0;
+            for (; g + 2 <= G; g += 2) {
+                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
+                const __m128i v1 = _mm_loadu_si128((const __m128i *)(qc + g * 16 + 16));
+                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4),
+                                                    _mm_and_si128(v0, m4));
+                const __m256i u1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v1, 4), m4),
+                                                    _mm_and_si128(v1, m4));
+                const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
+                const __m256i d1 = dot_u4s8(u1, _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32)));
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(sc[g + 1] * xd[g + 1]),
+                                       acc1);
+            }
+            for (; g < G; g++) {
+                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
+                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4),
+                                                    _mm_and_si128(v0, m4));
+                const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc0);
+            }
+            tot = fd_hsum8(_mm256_add_ps(acc0, acc1));
+#else
+            for (int64_t g = 0; g < G; g++) {
+                int dot = 0;
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t b = qc[g * 16 + i];
+                    dot += (b & 15) * xq[g * 32 + i] + (b >> 4) * xq[g * 32 + 16 + i];
+                }
+                tot += (float)dot * sc[g] * xd[g];
+            }
+#endif
+            y[r * N + c] = tot - corr;
+        }
+    }
+}
 
 #define FB 16 /* output columns per work item */
 
@@ -83,12 +196,15 @@ static void cols_f(const float *w, const float *x, int64_t R, int64_t N, int64_t
     }
 }
 
-/* columns [n0, n1) of x[R, kp] @ W^T (expert e of a stacked weight) into y[R, n] */
-static void lin_cols(const fd_lin *L, int64_t e, const float *x, int64_t R, float *y,
+/* columns [n0, n1) of x[R, kp] @ W^T (expert e of a stacked weight) into y[R, n]; int4
+   weights in groups of 32 read the 8-bit blocks of x where the caller made them */
+static void lin_cols(const fd_lin *L, int64_t e, const fd_act *a, int64_t R, float *y,
                      int64_t n0, int64_t n1) {
     const uint8_t *w = (const uint8_t *)L->w + e * L->wstride;
     const float *s = L->s ? L->s + e * L->sstride : 0;
-    if (L->bits == 32) cols_f((const float *)w, x, R, L->n, L->kp, y, n0, n1);
+    const float *x = a->x;
+    if (L->bits == 4 && L->group == 32 && a->q) cols_4q8(w, s, a, R, L->n, L->kp, y, n0, n1);
+    else if (L->bits == 32) cols_f((const float *)w, x, R, L->n, L->kp, y, n0, n1);
     else if (L->bits == 8) cols_8(w, s, x, R, L->n, L->kp, L->group, y, n0, n1);
     else cols_4(w, s, x, R, L->n, L->kp, L->group, y, n0, n1);
     if (L->b)
@@ -124,6 +240,15 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
    col[r] - first[r]. ids [R]; cos, sin [R, rw], or with ``tabled`` tables [tmax, rw] by
    position; live [R] or NULL (rows whose feed-forward still runs); kc, vc: per layer
    [rows of the cache, hkv, tmax, dh]; logits [R, vocab] */
+/* y[R, N] = x[R, kp] @ W^T for int4 weights in groups of 32 on 8-bit activation blocks
+   (the tests hold cols_4q8 to a reference with it) */
+void fd_q4q8(const uint8_t *q, const float *s, const float *x, int64_t R, int64_t N,
+             int64_t Kp, int8_t *xq, float *xd, float *xc, float *y) {
+    quant8(x, R * Kp / 32, xq, xd, xc);
+    const fd_act a = {x, xq, xd, xc};
+    cols_4q8(q, s, &a, R, N, Kp, y, 0, N);
+}
+
 int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             const float *sin_, int64_t rw, int64_t tabled, const int64_t *slot,
             const int64_t *first, const int64_t *col, const uint8_t *live,
@@ -149,8 +274,12 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             const fd_layer *ly = m->layers + l;
             float *kcl = kc[l], *vcl = vc[l];
 #pragma omp single
-            for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, ly->ln1, m->xn + r * D, D, m->eps);
             {
+                for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, ly->ln1, m->xn + r * D, D, m->eps);
+                if (m->act8) quant8(m->xn, R * D / 32, m->xnq, m->xnd, m->xnc);
+            }
+            {
+                const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
                 const int64_t bq = nblk(QN), bk = nblk(KN);
 #pragma omp for schedule(static)
                 for (int64_t j = 0; j < bq + 2 * bk; j++) {
@@ -158,7 +287,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     float *y = j < bq ? m->qb : j < bq + bk ? m->kb : m->vb;
                     const int64_t b = j < bq ? j : j < bq + bk ? j - bq : j - bq - bk;
                     const int64_t n0 = b * FB, n1 = n0 + FB < L->n ? n0 + FB : L->n;
-                    lin_cols(L, 0, m->xn, R, y, n0, n1);
+                    lin_cols(L, 0, &xa, R, y, n0, n1);
                 }
             }
 #pragma omp for schedule(static)
@@ -204,21 +333,29 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     const float *vt = vb + t * DH;
                     for (int64_t i = 0; i < DH; i++) out[i] += p * vt[i];
                 }
+                if (m->act8) {
+                    const int64_t o0 = r * QN + hh * DH;
+                    quant8(out, DH / 32, m->attq + o0, m->attd + o0 / 32, m->attc + o0 / 32);
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblk(D); b++) {
                 const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
-                lin_cols(&ly->o, 0, m->att, R, m->ob, n0, n1);
+                const fd_act aa = act_at(m->att, m->act8 ? m->attq : 0, m->attd, m->attc, 0);
+                lin_cols(&ly->o, 0, &aa, R, m->ob, n0, n1);
             }
 #pragma omp single
             for (int64_t r = 0; r < R; r++) {
                 for (int64_t i = 0; i < D; i++) m->x[r * D + i] += m->ob[r * D + i];
                 rmsnorm(m->x + r * D, ly->ln2, m->xn + r * D, D, m->eps);
+                if (m->act8) quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
+                                    m->xnc + r * D / 32);
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblk(m->e); b++) {
                 const int64_t n0 = b * FB, n1 = n0 + FB < m->e ? n0 + FB : m->e;
-                lin_cols(&ly->router, 0, m->xn, R, m->lg, n0, n1);
+                const fd_act xa = act_at(m->xn, 0, 0, 0, 0);  /* the router stays float */
+                lin_cols(&ly->router, 0, &xa, R, m->lg, n0, n1);
             }
 #pragma omp single
             {   /* top-k of each live row, weights, then the rows grouped by expert */
@@ -274,31 +411,49 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     m->sw[s] = wsort[s];
                     m->slot_row[s] = rsort[s];
                     for (int64_t i = 0; i < D; i++) m->xe[s * D + i] = m->xn[rsort[s] * D + i];
+                    if (m->act8) {
+                        for (int64_t i = 0; i < D; i++) m->xeq[s * D + i] = m->xnq[rsort[s] * D + i];
+                        for (int64_t i = 0; i < D / 32; i++) {
+                            m->xed[s * D / 32 + i] = m->xnd[rsort[s] * D / 32 + i];
+                            m->xec[s * D / 32 + i] = m->xnc[rsort[s] * D / 32 + i];
+                        }
+                    }
                 }
                 m->n_act[0] = na;
                 m->n_act[1] = ns;
             }
-            const int64_t na = m->n_act[0], ns = m->n_act[1], bf = nblk(F), bd = nblk(D);
+            /* gate/up in blocks of UB columns: with act8 each block is one 32-block of the
+               activation the down projection reads, quantized where it is made */
+            const int64_t UB = m->act8 ? 32 : FB;
+            const int64_t na = m->n_act[0], ns = m->n_act[1], bf = (F + UB - 1) / UB, bd = nblk(D);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < na * bf; j++) {
                 const int64_t a = j / bf, b = j % bf, e = m->act_e[a];
                 const int64_t off = m->act_off[a], n = m->act_n[a];
-                const int64_t n0 = b * FB, n1 = n0 + FB < F ? n0 + FB : F;
+                const int64_t n0 = b * UB, n1 = n0 + UB < F ? n0 + UB : F;
                 float *hu = m->hu + off * 2 * F;
-                lin_cols(&ly->up, e, m->xe + off * D, n, hu, n0, n1);
-                lin_cols(&ly->up, e, m->xe + off * D, n, hu, F + n0, F + n1);
-                for (int64_t r = 0; r < n; r++)
+                const fd_act xa = act_at(m->xe, m->act8 ? m->xeq : 0, m->xed, m->xec, off * D);
+                lin_cols(&ly->up, e, &xa, n, hu, n0, n1);
+                lin_cols(&ly->up, e, &xa, n, hu, F + n0, F + n1);
+                for (int64_t r = 0; r < n; r++) {
+                    float *h = m->ha + (off + r) * F;
                     for (int64_t c = n0; c < n1; c++) {
                         const float g = hu[r * 2 * F + c];
-                        m->ha[(off + r) * F + c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
+                        h[c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
                     }
+                    if (m->act8) {
+                        const int64_t o0 = (off + r) * F + n0;
+                        quant8(h + n0, 1, m->haq + o0, m->had + o0 / 32, m->hac + o0 / 32);
+                    }
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < na * bd; j++) {
                 const int64_t a = j / bd, b = j % bd, e = m->act_e[a];
                 const int64_t off = m->act_off[a], n = m->act_n[a];
                 const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
-                lin_cols(&ly->down, e, m->ha + off * F, n, m->ye + off * D, n0, n1);
+                const fd_act ha = act_at(m->ha, m->act8 ? m->haq : 0, m->had, m->hac, off * F);
+                lin_cols(&ly->down, e, &ha, n, m->ye + off * D, n0, n1);
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < bd; b++) {   /* combine: columns split, rows in order */
@@ -311,11 +466,15 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             }
         }
 #pragma omp single
-        for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, m->norm, m->xn + r * D, D, m->eps);
+        {
+            for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, m->norm, m->xn + r * D, D, m->eps);
+            if (m->act8) quant8(m->xn, R * D / 32, m->xnq, m->xnd, m->xnc);
+        }
+        const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk(m->vocab); b++) {
             const int64_t n0 = b * FB, n1 = n0 + FB < m->vocab ? n0 + FB : m->vocab;
-            lin_cols(&m->head, 0, m->xn, R, logits, n0, n1);
+            lin_cols(&m->head, 0, &xa, R, logits, n0, n1);
         }
     }
     return 0;
@@ -338,13 +497,14 @@ class Layer(ctypes.Structure):
 
 
 SCRATCH = ("x", "xn", "qb", "kb", "vb", "att", "ob", "lg", "xe", "hu", "ha", "ye", "sc", "sw",
-           "slot_row", "act_e", "act_off", "act_n", "n_act")
+           "slot_row", "act_e", "act_off", "act_n", "n_act",
+           "xnq", "attq", "xeq", "haq", "xnd", "xnc", "attd", "attc", "xed", "xec", "had", "hac")
 
 
 class Model(ctypes.Structure):
     _fields_ = [*((n, _I64) for n in ("n_layer", "d", "h", "hkv", "dh", "e", "topk", "f",
                                       "vocab", "rows_max", "threads_max", "tmax_max",
-                                      "renorm")),
+                                      "renorm", "act8")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("routed_scaling", ctypes.c_float),
                 ("wte", _VP), ("norm", _VP), ("head", Lin), ("layers", _VP),
@@ -352,6 +512,7 @@ class Model(ctypes.Structure):
 
 
 SIGNATURES = {
+    "fd_q4q8": ([_VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
                  _VP, _VP, _I64, _VP, ctypes.c_int], ctypes.c_int),
 }

@@ -154,10 +154,23 @@ def _check_moe(moe: MoE, what: str) -> None:
         raise Unsupported(f"{what}: shared experts")
 
 
+def _check_int8_activations(layers: Any, m: _fused_c.Model, *widths: int) -> None:
+    """8-bit activation blocks need whole blocks of 32 in every activation, and int4
+    weights in groups of 32 to meet them (the blocks are the groups)."""
+    if any(w % 32 for w in widths):
+        raise Unsupported(f"int8 activations: widths {widths} (hidden, heads x head_dim, "
+                          f"expert width, head_dim) must be multiples of 32")
+    lins = [m.head, *(getattr(ly, n) for ly in layers for n in ("q", "k", "v", "o", "up", "down"))]
+    if not any(lin.bits == 4 for lin in lins):
+        raise Unsupported("int8 activations: no int4 weight to use them (quantize with bits=4)")
+    if any(lin.bits == 4 and lin.group != 32 for lin in lins):
+        raise Unsupported("int8 activations: int4 weights must have groups of 32")
+
+
 class FusedDecode:
     """The native step of one model; ``__call__`` runs a decode forward or returns None."""
 
-    def __init__(self, model: nn.Module, lib: ctypes.CDLL) -> None:
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL, int8_activations: bool = False) -> None:
         _check_config(model)
         c = model.config
         self.lib, self.model = lib, model
@@ -197,6 +210,10 @@ class FusedDecode:
         m.e, m.topk, m.f, m.vocab = e, k, f, c.vocab_size
         m.renorm, m.routed_scaling = renorm, scaling
         m.eps, m.scale = float(c.rms_norm_eps), 1.0 / math.sqrt(dh)
+        if int8_activations:
+            _check_int8_activations(layers, m, d, h * dh, f, dh)
+        m.act8 = int(int8_activations)
+        self.int8_activations = int8_activations
         m.wte = w.ptr(_f32(w.watch(model.wte, "weight"), "wte.weight"))
         m.norm = w.ptr(_f32(w.watch(model.norm, "weight"), "norm.weight"))
         m.head = _linear(w, w.watch(model, "lm_head"), d, "lm_head")
@@ -226,8 +243,14 @@ class FusedDecode:
                  "xe": rows * k * d, "hu": rows * k * 2 * f, "ha": rows * k * f,
                  "ye": rows * k * d, "sc": threads * tmax, "sw": rows * k}
         ints = {"slot_row": rows * k, "act_e": e, "act_off": e, "act_n": e, "n_act": 2}
+        if m.act8:  # 8-bit copies of the activations int4 products read, scales per 32
+            for name, size in (("xn", rows * d), ("att", rows * qn), ("xe", rows * k * d),
+                               ("ha", rows * k * f)):
+                sizes[name + "d"] = sizes[name + "c"] = size // 32
+                ints[name + "q"] = size
         self._scratch = {n: torch.zeros(max(1, s)) for n, s in sizes.items()}
-        self._scratch.update({n: torch.zeros(max(1, s), dtype=torch.int64) for n, s in ints.items()})
+        self._scratch.update({n: torch.zeros(max(1, s), dtype=torch.int8 if n.endswith("q")
+                                             else torch.int64) for n, s in ints.items()})
         for n, t in self._scratch.items():
             setattr(m, n, t.data_ptr())
         m.rows_max, m.threads_max, m.tmax_max = rows, threads, tmax
@@ -309,16 +332,26 @@ def enabled() -> bool:
     return os.environ.get("MOEBIT_FUSED_DECODE", "1") != "0"
 
 
-def attach(model: nn.Module, isa: str | None = None, auto: bool = False) -> FusedDecode | None:
+def attach(model: nn.Module, isa: str | None = None, auto: bool = False,
+           int8_activations: bool | None = None) -> FusedDecode | None:
     """Give ``model`` (an ``HFDecoder``) the native decode step; returns it, or None when
     it cannot serve this model (``model.decode_step_reason`` says why) or is turned off.
     Idempotent: a step already attached and still current is returned as it is.
-    ``auto`` (``generate_tokens``): leave a model that ``detach`` turned off as it is."""
+    ``auto`` (``generate_tokens``): leave a model that ``detach`` turned off as it is.
+
+    ``int8_activations``: int4 weights multiply activations rounded to 8 bits in blocks
+    of 32 (llama.cpp's Q4_0 x Q8_0), integer dot products instead of widening every
+    nibble to a float: faster, and no longer the module path's arithmetic (each
+    activation moves by up to half its block's step, max|x| / 254). Off by default;
+    None keeps what an attached step has."""
     if auto and getattr(model, "decode_step_off", False):
         return None
     model.decode_step_off = False
     held = getattr(model, "decode_step", None)
-    if isinstance(held, FusedDecode) and held.weights.fresh() and isa is None:
+    if int8_activations is None:
+        int8_activations = isinstance(held, FusedDecode) and held.int8_activations
+    if (isinstance(held, FusedDecode) and held.weights.fresh() and isa is None
+            and held.int8_activations == int8_activations):
         return held
     model.decode_step = None
     if not hasattr(model, "rotary_emb") or not hasattr(model.config, "qk_norm"):
@@ -332,11 +365,21 @@ def attach(model: nn.Module, isa: str | None = None, auto: bool = False) -> Fuse
         model.decode_step_reason = "the native build is unavailable"
         return None
     try:
-        fused = FusedDecode(model, lib)
+        fused = FusedDecode(model, lib, int8_activations)
     except Unsupported as e:
         model.decode_step_reason = str(e)
         return None
     model.decode_step, model.decode_step_reason = fused, None
+    return fused
+
+
+def use_int8_activations(model: nn.Module) -> FusedDecode:
+    """``--activations int8``: attach the step with 8-bit activations for the int4
+    products, or a ValueError naming what stands in the way."""
+    fused = attach(model, int8_activations=True)
+    if fused is None:
+        raise ValueError(f"--activations int8 needs the native decode step with int4 "
+                         f"weights (--quantize int4): {model.decode_step_reason}")
     return fused
 
 
