@@ -42,26 +42,44 @@ class RaggedView:
         if any(n < 1 for _, n in segments):
             raise ValueError(f"RaggedView: every segment needs >= 1 token, got {list(segments)}")
         self.cache, self.segments = cache, [(int(s), int(n)) for s, n in segments]
-        dev = cache.k[0].device
         self.n = sum(n for _, n in self.segments)
         starts, at = [], 0
         for _, n in self.segments:
             starts.append(at)
             at += n
+        self.starts = starts
         lens = cache.lengths
-        self.pos_N = torch.cat([torch.arange(lens[s], lens[s] + n) for s, n in self.segments]
-                               ) if self.segments else torch.zeros(0, dtype=torch.long)
-        slot_N = torch.cat([torch.full((n,), s) for s, n in self.segments]
-                           ) if self.segments else torch.zeros(0, dtype=torch.long)
-        self.pos_N, slot_N = self.pos_N.to(dev), slot_N.to(dev)
-        _, h, c, _ = cache.k[0].shape
-        heads_H = torch.arange(h, device=dev)
-        # where token i's key/value of head j goes in a buffer viewed as [-1, Dh]
-        self.index = ((slot_N[None] * h + heads_H[:, None]) * c + self.pos_N[None]).reshape(-1)
-        ones = [(i, s) for i, (s, n) in zip(starts, self.segments, strict=True) if n == 1]
         self.chunks = [(i, s, n, lens[s]) for i, (s, n) in zip(starts, self.segments, strict=True)
                        if n > 1]
-        self._ones(ones, dev)
+        # the tensors of the module path's attention, made on first use: a step that a
+        # native decode step serves (``decode_rows``) never needs them
+        self._pos_N: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
+
+    @property
+    def pos_N(self) -> torch.Tensor:
+        """[N] each packed token's position in its own slot."""
+        if self._pos_N is None:
+            lens = self.cache.lengths
+            self._pos_N = (torch.cat([torch.arange(lens[s], lens[s] + n) for s, n in self.segments])
+                           if self.segments else torch.zeros(0, dtype=torch.long)
+                           ).to(self.cache.k[0].device)
+        return self._pos_N
+
+    @property
+    def index(self) -> torch.Tensor:
+        """Where token i's key/value of head j goes in a buffer viewed as [-1, Dh]; the
+        one-token segments' batched attention is set up with it."""
+        if self._index is None:
+            dev = self.cache.k[0].device
+            slot_N = (torch.cat([torch.full((n,), s) for s, n in self.segments])
+                      if self.segments else torch.zeros(0, dtype=torch.long)).to(dev)
+            _, h, c, _ = self.cache.k[0].shape
+            heads_H = torch.arange(h, device=dev)
+            self._index = ((slot_N[None] * h + heads_H[:, None]) * c + self.pos_N[None]).reshape(-1)
+            ones = [(i, s) for i, (s, n) in zip(self.starts, self.segments, strict=True) if n == 1]
+            self._ones(ones, dev)
+        return self._index
 
     def _ones(self, ones: list[tuple[int, int]], dev: torch.device) -> None:
         """The one-token segments' batched attention: packed index, slot rows, mask."""
@@ -101,8 +119,9 @@ class RaggedView:
         """Write the N new keys/values into their slots' columns, then attend per group."""
         kb, vb = self.cache.k[layer], self.cache.v[layer]
         dh = kb.shape[-1]
-        kb.view(-1, dh).index_copy_(0, self.index, k_1HNd[0].reshape(-1, dh))
-        vb.view(-1, dh).index_copy_(0, self.index, v_1HNd[0].reshape(-1, dh))
+        index = self.index
+        kb.view(-1, dh).index_copy_(0, index, k_1HNd[0].reshape(-1, dh))
+        vb.view(-1, dh).index_copy_(0, index, v_1HNd[0].reshape(-1, dh))
         y = torch.empty_like(q_1HNd)
         if self.rows:
             q_RH1d = q_1HNd.new_zeros(self.rows, q_1HNd.shape[1], 1, q_1HNd.shape[3])
@@ -125,9 +144,10 @@ class RaggedView:
         each writes its slot's next column and sees the slot's columns before it."""
         if b != 1 or self.chunks or t != self.n or not self.n:
             return None
-        self.positions(t)  # raises when a slot is full
         slots = [s for s, _ in self.segments]
         lens = self.cache.lengths
+        if max(lens[s] for s in slots) >= self.cache.capacity:
+            self.positions(t)  # raises: a slot is full
         return DecodeRows(self.cache, torch.tensor(slots), torch.zeros(t, dtype=torch.long),
                           torch.tensor([lens[s] for s in slots]), None)
 
