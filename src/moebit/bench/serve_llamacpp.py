@@ -45,7 +45,11 @@ from moebit.bench.serve import start_server, stop_server, wait_ready
 from moebit.bench.serve_load import load, workload
 from moebit.testing import free_port
 
-PAIRS = {"F32": "none", "Q8_0": "int8", "Q4_0": "int4"}  # GGUF type -> moebit --quantize
+# row -> (the GGUF type llama.cpp serves, moebit serve's flags on the same weights);
+# Q4_0_a8: moebit's int4 products on 8-bit activations, llama.cpp's own arithmetic for Q4_0
+PAIRS = {"F32": ("F32", ["--quantize", "none"]), "Q8_0": ("Q8_0", ["--quantize", "int8"]),
+         "Q4_0": ("Q4_0", ["--quantize", "int4"]),
+         "Q4_0_a8": ("Q4_0", ["--quantize", "int4", "--activations", "int8"])}
 # llama-cpp-python's server applies a repetition penalty of 1.1 by default; plain greedy
 # decoding (moebit's) is 1.0
 PLAIN_GREEDY = {"llamacpp": {"repeat_penalty": 1.0}, "moebit": {}}
@@ -132,9 +136,12 @@ def run(args: Any) -> dict[str, Any]:
         byte_tokenizer(folder)
         model = from_pretrained(str(folder))
         for qtype in args.peer_qtypes:
-            gguf = write_gguf(model, Path(tmp) / f"model-{qtype}.gguf", qtype)
+            gtype, flags = PAIRS[qtype]
+            gguf = Path(tmp) / f"model-{gtype}.gguf"
+            if not gguf.exists():
+                write_gguf(model, gguf, gtype)
             ours, ours_url = start_server(folder, args.max_batch, "--threads", str(args.threads),
-                                          "--quantize", PAIRS[qtype], "--context", str(context))
+                                          *flags, "--context", str(context))
             try:
                 # llama-cpp-python decodes on past max_tokens while its text ends inside
                 # a UTF-8 sequence (random weights write many): room for that
