@@ -83,7 +83,12 @@ static inline fd_act act_at(const float *x, const int8_t *q, const float *d, con
 }
 
 /* 8-bit blocks of 32 activations, as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d);
-   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product */
+   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product.
+   Blocks go in pairs from the first one (a last odd block alone): a pair's 64 bytes hold
+   the first 16 of block 0, the first 16 of block 1, then the last 16 of each, the order
+   of the low and high nibbles of the two weight groups one 32-byte load brings
+   (``cols_4q8``). Callers quantize a row's blocks from its first, in even counts but
+   for the row's last. */
 static void quant8(const float *x, int64_t nblk, int8_t *q, float *d, float *c) {
     for (int64_t b = 0; b < nblk; b++) {
         const float *xb = x + b * 32;
@@ -93,10 +98,14 @@ static void quant8(const float *x, int64_t nblk, int8_t *q, float *d, float *c) 
             amax = a > amax ? a : amax;
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const int paired = (b | 1) < nblk, second = (int)(b & 1);
+        int8_t *qb = q + (b & ~(int64_t)1) * 32;
         int sum = 0;
         for (int i = 0; i < 32; i++) {
             const int v = (int)lrintf(xb[i] * inv);
-            q[b * 32 + i] = (int8_t)v;
+            const int at = !paired ? (int)(b & 1) * 32 + i
+                                   : (i < 16 ? i : 16 + i) + 16 * second;
+            qb[at] = (int8_t)v;
             sum += v;
         }
         d[b] = amax / 127.0f;
@@ -116,18 +125,62 @@ static inline float fd_hsum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-static inline __m256i dot_u4s8(__m256i u, __m256i x) {
+/* acc + the sums of 4 adjacent products of u (unsigned, <= 15) and x (signed) */
+static inline __m256i dot_u4s8(__m256i acc, __m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+    return _mm256_dpbusd_epi32(acc, u, x);
 #else   /* u <= 15, |x| <= 127: a pair's sum fits int16 without saturating */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 #endif
 }
+
 #endif
 
 static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
                      int64_t Kp, float *y, int64_t n0, int64_t n1) {
     const int64_t G = Kp / 32, rowb = Kp / 2;
+#if defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int64_t c = n0; c < n1; c++) {
+        const uint8_t *qc = q + c * rowb;
+        const float *sc = s + c * G;
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *xq = a->q + r * Kp;
+            const float *xd = a->d + r * G, *xc = a->c + r * G;
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            __m128 cacc = _mm_setzero_ps();  /* the nibbles' +8: s_w * c, two groups a pass */
+            int64_t g = 0;
+            /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
+            for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + g * 16));
+                const __m256i dlo = dot_u4s8(_mm256_setzero_si256(), _mm256_and_si256(v, m4),
+                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
+                const __m256i dhi = dot_u4s8(_mm256_setzero_si256(),
+                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32)));
+                const __m128 sw = _mm_castpd_ps(_mm_load_sd((const double *)(sc + g)));
+                const __m128 sx = _mm_castpd_ps(_mm_load_sd((const double *)(xd + g)));
+                const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, sx)),
+                                                           lanes);
+                acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dlo, dhi)), s8, acc[p]);
+                cacc = _mm_fmadd_ps(sw, _mm_castpd_ps(_mm_load_sd((const double *)(xc + g))), cacc);
+            }
+            float corr = _mm_cvtss_f32(cacc) + _mm_cvtss_f32(_mm_shuffle_ps(cacc, cacc, 1));
+            if (g < G) {  /* a last group alone, in natural order */
+                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
+                const __m128i m4x = _mm_set1_epi8(0x0F);
+                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4x),
+                                                    _mm_and_si128(v0, m4x));
+                const __m256i d0 = dot_u4s8(_mm256_setzero_si256(), u0,
+                                            _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
+                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
+                corr += sc[g] * xc[g];
+            }
+            y[r * N + c] = fd_hsum8(_mm256_add_ps(acc[0], acc[1])) - corr;
+        }
+    }
+#else
     for (int64_t c = n0; c < n1; c++) {
         const uint8_t *qc = q + c * rowb;
         const float *sc = s + c * G;
@@ -135,45 +188,29 @@ static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t 
             const int8_t *xq = a->q + r * Kp;
             const float *xd = a->d + r * G, *xc = a->c + r * G;
             float corr = 0.0f, tot = 0.0f;
-            for (int64_t g = 0; g < G; g++) corr += sc[g] * xc[g];
-#if defined(__AVX2__)
-            const __m128i m4 = _mm_set1_epi8(0x0F);
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
             int64_t g = 0;
+            for (int64_t j = 0; j < G; j++) corr += sc[j] * xc[j];
             for (; g + 2 <= G; g += 2) {
-                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
-                const __m128i v1 = _mm_loadu_si128((const __m128i *)(qc + g * 16 + 16));
-                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4),
-                                                    _mm_and_si128(v0, m4));
-                const __m256i u1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v1, 4), m4),
-                                                    _mm_and_si128(v1, m4));
-                const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
-                const __m256i d1 = dot_u4s8(u1, _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32)));
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(sc[g + 1] * xd[g + 1]),
-                                       acc1);
+                int d0 = 0, d1 = 0;
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t b0 = qc[g * 16 + i], b1 = qc[g * 16 + 16 + i];
+                    d0 += (b0 & 15) * xq[g * 32 + i] + (b0 >> 4) * xq[g * 32 + 32 + i];
+                    d1 += (b1 & 15) * xq[g * 32 + 16 + i] + (b1 >> 4) * xq[g * 32 + 48 + i];
+                }
+                tot += (float)d0 * sc[g] * xd[g] + (float)d1 * sc[g + 1] * xd[g + 1];
             }
-            for (; g < G; g++) {
-                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
-                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4),
-                                                    _mm_and_si128(v0, m4));
-                const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc0);
-            }
-            tot = fd_hsum8(_mm256_add_ps(acc0, acc1));
-#else
-            for (int64_t g = 0; g < G; g++) {
-                int dot = 0;
+            if (g < G) {
+                int d0 = 0;
                 for (int i = 0; i < 16; i++) {
                     const uint8_t b = qc[g * 16 + i];
-                    dot += (b & 15) * xq[g * 32 + i] + (b >> 4) * xq[g * 32 + 16 + i];
+                    d0 += (b & 15) * xq[g * 32 + i] + (b >> 4) * xq[g * 32 + 16 + i];
                 }
-                tot += (float)dot * sc[g] * xd[g];
+                tot += (float)d0 * sc[g] * xd[g];
             }
-#endif
             y[r * N + c] = tot - corr;
         }
     }
+#endif
 }
 
 #define FB 16 /* output columns per work item */
@@ -244,7 +281,8 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
    (the tests hold cols_4q8 to a reference with it) */
 void fd_q4q8(const uint8_t *q, const float *s, const float *x, int64_t R, int64_t N,
              int64_t Kp, int8_t *xq, float *xd, float *xc, float *y) {
-    quant8(x, R * Kp / 32, xq, xd, xc);
+    for (int64_t r = 0; r < R; r++)
+        quant8(x + r * Kp, Kp / 32, xq + r * Kp, xd + r * Kp / 32, xc + r * Kp / 32);
     const fd_act a = {x, xq, xd, xc};
     cols_4q8(q, s, &a, R, N, Kp, y, 0, N);
 }
@@ -276,7 +314,10 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 #pragma omp single
             {
                 for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, ly->ln1, m->xn + r * D, D, m->eps);
-                if (m->act8) quant8(m->xn, R * D / 32, m->xnq, m->xnd, m->xnc);
+                if (m->act8)
+                    for (int64_t r = 0; r < R; r++)
+                        quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
+                               m->xnc + r * D / 32);
             }
             {
                 const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
@@ -422,9 +463,9 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 m->n_act[0] = na;
                 m->n_act[1] = ns;
             }
-            /* gate/up in blocks of UB columns: with act8 each block is one 32-block of the
-               activation the down projection reads, quantized where it is made */
-            const int64_t UB = m->act8 ? 32 : FB;
+            /* gate/up in blocks of UB columns: with act8 each block is one pair of 32-blocks
+               of the activation the down projection reads, quantized where it is made */
+            const int64_t UB = m->act8 ? 64 : FB;
             const int64_t na = m->n_act[0], ns = m->n_act[1], bf = (F + UB - 1) / UB, bd = nblk(D);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < na * bf; j++) {
@@ -443,7 +484,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     }
                     if (m->act8) {
                         const int64_t o0 = (off + r) * F + n0;
-                        quant8(h + n0, 1, m->haq + o0, m->had + o0 / 32, m->hac + o0 / 32);
+                        quant8(h + n0, (n1 - n0) / 32, m->haq + o0, m->had + o0 / 32,
+                               m->hac + o0 / 32);
                     }
                 }
             }
@@ -468,7 +510,10 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 #pragma omp single
         {
             for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, m->norm, m->xn + r * D, D, m->eps);
-            if (m->act8) quant8(m->xn, R * D / 32, m->xnq, m->xnd, m->xnc);
+            if (m->act8)
+                for (int64_t r = 0; r < R; r++)
+                    quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
+                           m->xnc + r * D / 32);
         }
         const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
 #pragma omp for schedule(static)

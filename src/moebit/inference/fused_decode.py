@@ -155,11 +155,12 @@ def _check_moe(moe: MoE, what: str) -> None:
 
 
 def _check_int8_activations(layers: Any, m: _fused_c.Model, *widths: int) -> None:
-    """8-bit activation blocks need whole blocks of 32 in every activation, and int4
-    weights in groups of 32 to meet them (the blocks are the groups)."""
-    if any(w % 32 for w in widths):
+    """8-bit activation blocks need whole blocks of 32 in every activation (pairs of
+    them in a head, which quantizes its own), and int4 weights in groups of 32 to meet
+    them (the blocks are the groups)."""
+    if any(w % 32 for w in widths) or widths[-1] % 64:
         raise Unsupported(f"int8 activations: widths {widths} (hidden, heads x head_dim, "
-                          f"expert width, head_dim) must be multiples of 32")
+                          f"expert width: multiples of 32; head_dim: of 64)")
     lins = [m.head, *(getattr(ly, n) for ly in layers for n in ("q", "k", "v", "o", "up", "down"))]
     if not any(lin.bits == 4 for lin in lins):
         raise Unsupported("int8 activations: no int4 weight to use them (quantize with bits=4)")
