@@ -276,3 +276,36 @@ def test_int8_activations_stay_close_and_are_asked_for() -> None:
     f32 = make("mixtral", num_attention_heads=1, num_key_value_heads=1)  # float: no use
     assert fused_decode.attach(f32, int8_activations=True) is None
     assert "no int4 weight" in f32.decode_step_reason
+
+
+def test_generate_cli_takes_int8_activations_and_names_what_they_need(tmp_path) -> None:
+    """``moebit generate FOLDER --quantize int4 --activations int8`` decodes a real
+    transformers-written folder on the native step; without int4 weights the flag is a
+    one-line error before anything loads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=1, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def gen(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "moebit.cli", "generate", str(tmp_path / "m"),
+                               "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "4",
+                               "--threads", "1", *flags], env=env, text=True,
+                              capture_output=True, timeout=300, check=False)
+
+    r = gen("--quantize", "int4", "--activations", "int8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("def ")
+    assert json.loads(r.stderr.strip().splitlines()[-1])["activations"] == "int8"
+    r = gen("--quantize", "int8", "--activations", "int8")
+    assert r.returncode != 0
+    assert "--activations int8 rounds the activations int4 weights meet" in r.stderr

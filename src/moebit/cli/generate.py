@@ -109,6 +109,9 @@ def _check(args: argparse.Namespace) -> int:
         for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
             print(f"moebit generate: warning: {line}", file=sys.stderr)
     counts = family_of(cfg).pattern(cfg).expert_counts
+    if args.activations == "int8" and args.quantize != "int4":
+        raise ValueError(f"--activations int8 rounds the activations int4 weights meet: it "
+                         f"needs --quantize int4, got --quantize {args.quantize}")
     if args.quantize != "none" and args.quantize_scope == "experts" and not counts:
         raise ValueError(f"--quantize {args.quantize} --quantize-scope experts: {d} holds a "
                          f"dense model (no experts; --quantize-scope all quantizes its "
@@ -217,6 +220,7 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             }
             if reports:
                 summary["quantize_scope"] = args.quantize_scope
+                summary["activations"] = args.activations
                 summary["quantized"] = "; ".join(map(str, reports))
             print(json.dumps(summary), file=sys.stderr)
             if args.json:

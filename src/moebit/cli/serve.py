@@ -112,6 +112,9 @@ def check(args: argparse.Namespace) -> int:
         cfg = model_config_of(read_manifest(d), d)
         fam = family_of(cfg)
     counts = fam.pattern(cfg).expert_counts
+    if args.activations == "int8" and args.quantize != "int4":
+        raise ValueError(f"--activations int8 rounds the activations int4 weights meet: it "
+                         f"needs --quantize int4, got --quantize {args.quantize}")
     if args.quantize != "none" and args.quantize_scope == "experts" and not counts:
         raise ValueError(f"--quantize {args.quantize} --quantize-scope experts: {d} holds a "
                          f"dense model (no experts; --quantize-scope all quantizes its "

@@ -149,7 +149,6 @@ static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t 
             const int8_t *xq = a->q + r * Kp;
             const float *xd = a->d + r * G, *xc = a->c + r * G;
             __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            __m128 cacc = _mm_setzero_ps();  /* the nibbles' +8: s_w * c, two groups a pass */
             int64_t g = 0;
             /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
             for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
@@ -164,9 +163,14 @@ static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t 
                 const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, sx)),
                                                            lanes);
                 acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dlo, dhi)), s8, acc[p]);
-                cacc = _mm_fmadd_ps(sw, _mm_castpd_ps(_mm_load_sd((const double *)(xc + g))), cacc);
             }
-            float corr = _mm_cvtss_f32(cacc) + _mm_cvtss_f32(_mm_shuffle_ps(cacc, cacc, 1));
+            /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
+            __m256 cv = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= G; j += 8)
+                cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + j), _mm256_loadu_ps(xc + j), cv);
+            float corr = fd_hsum8(cv);
+            for (; j < G; j++) corr += sc[j] * xc[j];
             if (g < G) {  /* a last group alone, in natural order */
                 const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
                 const __m128i m4x = _mm_set1_epi8(0x0F);
@@ -175,7 +179,6 @@ static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t 
                 const __m256i d0 = dot_u4s8(_mm256_setzero_si256(), u0,
                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
                 acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
-                corr += sc[g] * xc[g];
             }
             y[r * N + c] = fd_hsum8(_mm256_add_ps(acc[0], acc[1])) - corr;
         }

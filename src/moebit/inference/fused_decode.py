@@ -1,8 +1,8 @@
 """The whole decode step of a Hugging Face MoE decoder in one native call.
 
-    fused = attach(model)       # after quantize_model_ (or on a float32 model)
-    fused.reason                # None when attached, else why the module path stays
-    generate_tokens(model, ...) # decode steps of one token per row now run natively
+    fused = attach(model)        # after quantize_model_ (or on a float32 model)
+    model.decode_step_reason     # None when attached, else why the modules stay
+    generate_tokens(model, ...)  # steps of one token per row now run natively
 
 Why: at batch 1 a decode step reads a few MB of weights, which the native GEMVs stream
 in about a millisecond, while the torch modules around them (norms, RoPE, the cache
@@ -12,18 +12,21 @@ native call per step (``_fused_c``) does the same arithmetic without the dispatc
 
 What it serves: the Mixtral-style path of ``HFDecoder`` (Mixtral, Qwen3-MoE with its
 per-head q/k norms; every layer an MoE layer of SwiGLU experts, softmax routing with or
-without renormalised top-k), float32, one rank, with a plain
-``KVCache`` (left padding and finished rows included), weights float32 or quantized by
-``quantize_model_`` (int8 / int4, any group whose padding is none). Anything else (MLA,
-sinks, windows, OLMoE's whole-projection q/k norms, dense layers, sigmoid or
-group-limited routing, shared experts, expert parallelism, bf16, the serving engine's
-ragged cache, prefill) keeps the module path:
-``attach`` says why in ``reason``, and the step returns None for a call it does not
-serve, so the model's own forward runs. ``MOEBIT_FUSED_DECODE=0`` turns it off.
+without renormalised top-k) in float32 on one rank, weights float32 or quantized by
+``quantize_model_`` (int8 / int4 whose K is whole groups), for every step of one token
+per row of a cache that says where the rows read and write (``decode_rows``: a
+``generate`` batch's ``KVCache`` with left padding and finished rows, the serving
+engine's slots, its packed steps of decode rows alone). Anything else (MLA, sinks,
+windows, OLMoE's whole-projection q/k norms, dense layers, sigmoid or group-limited
+routing, shared experts, expert parallelism, bf16; prefill and steps that carry a prompt
+chunk) keeps the module path: ``attach`` names the part in ``model.decode_step_reason``,
+and the step returns None for a call it does not serve, so the model's own forward runs
+it. ``MOEBIT_FUSED_DECODE=0`` turns it off.
 
-The step reads the weights where the modules hold them (no copy). It checks once per
-cache that the modules it was built from are still in place (a later ``quantize_*``
-or ``.to()`` rebuilds it).
+The step reads the weights where the modules hold them (no copy, so in-place updates
+are seen). It checks once per cache that the modules and tensors it was built from are
+still in place (a later ``quantize_*`` or ``.to()`` needs a new ``attach``, which
+``generate_tokens`` and the serving engine make).
 """
 
 from __future__ import annotations
@@ -52,10 +55,17 @@ class Unsupported(ValueError):
 
 
 def _f32(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` itself (its storage, read in place) if float32, contiguous, on the CPU."""
     if t.dtype != torch.float32 or t.device.type != "cpu":
         raise Unsupported(f"{what} is {t.dtype} on {t.device}; the native step takes float32 "
                           f"on the CPU")
-    return t.detach().contiguous()
+    return _dense(t, what).detach()
+
+
+def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise Unsupported(f"{what} is not contiguous (the native step reads it in place)")
+    return t
 
 
 class _Weights:
@@ -89,7 +99,7 @@ def _linear(w: _Weights, mod: nn.Module, k: int, what: str) -> _fused_c.Lin:
         w.sources.append((mod, "q", mod.q))
         w.sources.append((mod, "s", mod.s))
         groups = mod.s.numel() // n
-        return _fused_c.Lin(w.ptr(mod.q), w.ptr(mod.s.contiguous()), w.ptr(mod.bias), n, kp,
+        return _fused_c.Lin(w.ptr(_dense(mod.q, what)), w.ptr(_dense(mod.s, what)), w.ptr(mod.bias), n, kp,
                             kp // groups, mod.bits, 0, 0)
     if isinstance(mod, nn.Linear):
         wt = _f32(w.watch(mod, "weight"), f"{what}.weight")
@@ -115,8 +125,9 @@ def _experts(w: _Weights, ex: nn.Module, d: int, f: int, what: str) -> tuple[_fu
             if kp != k:
                 raise Unsupported(f"{what}.{which}: quantized with K padded {k} -> {kp}")
             groups = s.numel() // (e * n)
-            out.append(_fused_c.Lin(w.ptr(q), w.ptr(s.contiguous()), None, n, kp, kp // groups,
-                                    ex.bits, q[0].numel() * q.element_size(), s[0].numel()))
+            out.append(_fused_c.Lin(w.ptr(_dense(q, what)), w.ptr(_dense(s, what)), None, n, kp,
+                                    kp // groups, ex.bits, q[0].numel() * q.element_size(),
+                                    s[0].numel()))
         return out[0], out[1]
     if isinstance(ex, Experts):
         if ex.has_bias:

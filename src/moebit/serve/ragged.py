@@ -66,10 +66,10 @@ class RaggedView:
                            ).to(self.cache.k[0].device)
         return self._pos_N
 
-    @property
-    def index(self) -> torch.Tensor:
-        """Where token i's key/value of head j goes in a buffer viewed as [-1, Dh]; the
-        one-token segments' batched attention is set up with it."""
+    def _attention_tensors(self) -> torch.Tensor:
+        """The module path's write index (where token i's key/value of head j goes in a
+        buffer viewed as [-1, Dh]) and the one-token segments' batched attention, made
+        once per forward by the first layer that attends."""
         if self._index is None:
             dev = self.cache.k[0].device
             slot_N = (torch.cat([torch.full((n,), s) for s, n in self.segments])
@@ -119,7 +119,7 @@ class RaggedView:
         """Write the N new keys/values into their slots' columns, then attend per group."""
         kb, vb = self.cache.k[layer], self.cache.v[layer]
         dh = kb.shape[-1]
-        index = self.index
+        index = self._attention_tensors()
         kb.view(-1, dh).index_copy_(0, index, k_1HNd[0].reshape(-1, dh))
         vb.view(-1, dh).index_copy_(0, index, v_1HNd[0].reshape(-1, dh))
         y = torch.empty_like(q_1HNd)
