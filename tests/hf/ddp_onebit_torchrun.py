@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from moebit.hf import HFDecoder, HFDecoderConfig
 from moebit.hf.ddp import onebit_optimizer_for_ddp
 from moebit.optim import build_optimizer
+from moebit.runs.runtime import finish
 
 TINY = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 32,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
@@ -52,3 +53,7 @@ def main(out: str, name: str = "onebit_adam") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # leave as moebit's own ranks do: gloo's threads can outlive the destroyed group, and a
+    # normal interpreter exit then aborts now and then ("terminate called without an
+    # active exception"; moebit.runs.runtime.finish)
+    finish(0)

@@ -11,7 +11,8 @@ thread (``omp single``), and an implicit barrier separates the phases. No thread
 started or joined between products.
 
 The products reuse the GEMV column loops of ``_qgemv_c`` (int8 / int4, per-group scales,
-1-16 rows, ISA dispatch by build) and add a float32 one; so the weights are read in the
+1-16 rows, ISA dispatch by build) and ``_q4q8_c`` (int4 on 8-bit activations), and add a
+float32 one; so the weights are read in the
 very buffers ``QuantLinear`` / ``QuantExperts`` / ``nn.Linear`` hold, never copied.
 
 Per layer: RMSNorm -> q, k, v (one parallel phase over all three) -> (Qwen3's per-head
@@ -28,7 +29,7 @@ from __future__ import annotations
 import ctypes
 
 from moebit.comm._native import open_library
-from moebit.inference import _qgemv_c
+from moebit.inference import _q4q8_c, _qgemv_c
 
 STEP_SOURCE = r"""
 #include <math.h>
@@ -67,154 +68,6 @@ typedef struct {
     int8_t *xnq, *attq, *xeq, *haq;
     float *xnd, *xnc, *attd, *attc, *xed, *xec, *had, *hac;
 } fd_model;
-
-/* an activation matrix [R, kp] as a product reads it: float32, and with act8 its 8-bit
-   blocks (q [R, kp], d and c [R, kp / 32]) */
-typedef struct {
-    const float *x;
-    const int8_t *q;
-    const float *d, *c;
-} fd_act;
-
-static inline fd_act act_at(const float *x, const int8_t *q, const float *d, const float *c,
-                            int64_t off) {
-    fd_act a = {x + off, q ? q + off : 0, q ? d + off / 32 : 0, q ? c + off / 32 : 0};
-    return a;
-}
-
-/* 8-bit blocks of 32 activations, as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d);
-   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product.
-   Blocks go in pairs from the first one (a last odd block alone): a pair's 64 bytes hold
-   the first 16 of block 0, the first 16 of block 1, then the last 16 of each, the order
-   of the low and high nibbles of the two weight groups one 32-byte load brings
-   (``cols_4q8``). Callers quantize a row's blocks from its first, in even counts but
-   for the row's last. */
-static void quant8(const float *x, int64_t nblk, int8_t *q, float *d, float *c) {
-    for (int64_t b = 0; b < nblk; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const int paired = (b | 1) < nblk, second = (int)(b & 1);
-        int8_t *qb = q + (b & ~(int64_t)1) * 32;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            const int v = (int)lrintf(xb[i] * inv);
-            const int at = !paired ? (int)(b & 1) * 32 + i
-                                   : (i < 16 ? i : 16 + i) + 16 * second;
-            qb[at] = (int8_t)v;
-            sum += v;
-        }
-        d[b] = amax / 127.0f;
-        c[b] = 8.0f * d[b] * (float)sum;
-    }
-}
-
-/* int4 weights in groups of 32 (the nibble layout of ``_qgemv_c``, stored q + 8) times
-   8-bit activation blocks: per block an integer dot product of the unsigned nibbles and
-   the signed activations (one instruction with AVX-512 VNNI, two with AVX2), scaled
-   once by s_w * d_x; the nibbles' +8 is taken off once per output through c */
-#if defined(__AVX2__)
-static inline float fd_hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-
-/* acc + the sums of 4 adjacent products of u (unsigned, <= 15) and x (signed) */
-static inline __m256i dot_u4s8(__m256i acc, __m256i u, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, x);
-#else   /* u <= 15, |x| <= 127: a pair's sum fits int16 without saturating */
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-#endif
-
-static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
-                     int64_t Kp, float *y, int64_t n0, int64_t n1) {
-    const int64_t G = Kp / 32, rowb = Kp / 2;
-#if defined(__AVX2__)
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    for (int64_t c = n0; c < n1; c++) {
-        const uint8_t *qc = q + c * rowb;
-        const float *sc = s + c * G;
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *xq = a->q + r * Kp;
-            const float *xd = a->d + r * G, *xc = a->c + r * G;
-            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            int64_t g = 0;
-            /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
-            for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + g * 16));
-                const __m256i dlo = dot_u4s8(_mm256_setzero_si256(), _mm256_and_si256(v, m4),
-                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
-                const __m256i dhi = dot_u4s8(_mm256_setzero_si256(),
-                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32)));
-                const __m128 sw = _mm_castpd_ps(_mm_load_sd((const double *)(sc + g)));
-                const __m128 sx = _mm_castpd_ps(_mm_load_sd((const double *)(xd + g)));
-                const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, sx)),
-                                                           lanes);
-                acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dlo, dhi)), s8, acc[p]);
-            }
-            /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
-            __m256 cv = _mm256_setzero_ps();
-            int64_t j = 0;
-            for (; j + 8 <= G; j += 8)
-                cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + j), _mm256_loadu_ps(xc + j), cv);
-            float corr = fd_hsum8(cv);
-            for (; j < G; j++) corr += sc[j] * xc[j];
-            if (g < G) {  /* a last group alone, in natural order */
-                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
-                const __m128i m4x = _mm_set1_epi8(0x0F);
-                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4x),
-                                                    _mm_and_si128(v0, m4x));
-                const __m256i d0 = dot_u4s8(_mm256_setzero_si256(), u0,
-                                            _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
-                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
-            }
-            y[r * N + c] = fd_hsum8(_mm256_add_ps(acc[0], acc[1])) - corr;
-        }
-    }
-#else
-    for (int64_t c = n0; c < n1; c++) {
-        const uint8_t *qc = q + c * rowb;
-        const float *sc = s + c * G;
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *xq = a->q + r * Kp;
-            const float *xd = a->d + r * G, *xc = a->c + r * G;
-            float corr = 0.0f, tot = 0.0f;
-            int64_t g = 0;
-            for (int64_t j = 0; j < G; j++) corr += sc[j] * xc[j];
-            for (; g + 2 <= G; g += 2) {
-                int d0 = 0, d1 = 0;
-                for (int i = 0; i < 16; i++) {
-                    const uint8_t b0 = qc[g * 16 + i], b1 = qc[g * 16 + 16 + i];
-                    d0 += (b0 & 15) * xq[g * 32 + i] + (b0 >> 4) * xq[g * 32 + 32 + i];
-                    d1 += (b1 & 15) * xq[g * 32 + 16 + i] + (b1 >> 4) * xq[g * 32 + 48 + i];
-                }
-                tot += (float)d0 * sc[g] * xd[g] + (float)d1 * sc[g + 1] * xd[g + 1];
-            }
-            if (g < G) {
-                int d0 = 0;
-                for (int i = 0; i < 16; i++) {
-                    const uint8_t b = qc[g * 16 + i];
-                    d0 += (b & 15) * xq[g * 32 + i] + (b >> 4) * xq[g * 32 + 16 + i];
-                }
-                tot += (float)d0 * sc[g] * xd[g];
-            }
-            y[r * N + c] = tot - corr;
-        }
-    }
-#endif
-}
 
 #define FB 16 /* output columns per work item */
 
@@ -280,16 +133,6 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
    col[r] - first[r]. ids [R]; cos, sin [R, rw], or with ``tabled`` tables [tmax, rw] by
    position; live [R] or NULL (rows whose feed-forward still runs); kc, vc: per layer
    [rows of the cache, hkv, tmax, dh]; logits [R, vocab] */
-/* y[R, N] = x[R, kp] @ W^T for int4 weights in groups of 32 on 8-bit activation blocks
-   (the tests hold cols_4q8 to a reference with it) */
-void fd_q4q8(const uint8_t *q, const float *s, const float *x, int64_t R, int64_t N,
-             int64_t Kp, int8_t *xq, float *xd, float *xc, float *y) {
-    for (int64_t r = 0; r < R; r++)
-        quant8(x + r * Kp, Kp / 32, xq + r * Kp, xd + r * Kp / 32, xc + r * Kp / 32);
-    const fd_act a = {x, xq, xd, xc};
-    cols_4q8(q, s, &a, R, N, Kp, y, 0, N);
-}
-
 int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             const float *sin_, int64_t rw, int64_t tabled, const int64_t *slot,
             const int64_t *first, const int64_t *col, const uint8_t *live,
@@ -529,7 +372,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 }
 """
 
-SOURCE = _qgemv_c.SOURCE + STEP_SOURCE
+SOURCE = _qgemv_c.SOURCE + _q4q8_c.SOURCE + STEP_SOURCE
 
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
 
