@@ -309,3 +309,20 @@ def test_generate_cli_takes_int8_activations_and_names_what_they_need(tmp_path) 
     r = gen("--quantize", "int8", "--activations", "int8")
     assert r.returncode != 0
     assert "--activations int8 rounds the activations int4 weights meet" in r.stderr
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "dynamic", "factor": 2.0}])
+def test_scaled_rope_matches_the_module_path(rope: dict) -> None:
+    """Linear scaling reads a position table; dynamic NTK rescales with the longest
+    position, so the step computes cos / sin each call as the modules do. Dynamic rope
+    keeps state between calls: each path gets a fresh model of the same weights."""
+    ps = prompts(3)  # rows of 5, 8 and 11 tokens: past max_position_embeddings
+    ref_model = make("mixtral", None, rope_scaling=rope, max_position_embeddings=8)
+    fused_decode.detach(ref_model)
+    ref = two_steps(ref_model, ps)
+    m = make("mixtral", None, rope_scaling=rope, max_position_embeddings=8)
+    fused = fused_decode.attach(m)
+    assert fused._tabled == (rope["rope_type"] == "linear")
+    torch.testing.assert_close(two_steps(m, ps), ref, atol=1e-5, rtol=1e-5)
+    assert fused.steps == 2

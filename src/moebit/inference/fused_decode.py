@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 from typing import Any
 
 import torch
@@ -232,6 +233,9 @@ class FusedDecode:
         m.layers = ctypes.addressof(layers)
         self.struct, self.weights = m, w
         self.steps = 0  # calls served natively
+        # one step at a time: the scratch buffers are the model's (a server's engine
+        # thread and a generate call in another thread may share a model)
+        self._lock = threading.Lock()
         self._rows = self._threads = self._tmax = 0
         self._scratch: dict[str, torch.Tensor] = {}
         self._cache_ptrs: tuple[Any, Any, Any] | None = None  # (cache, k array, v array)
@@ -305,6 +309,11 @@ class FusedDecode:
         rows = self._decode_rows(input_ids, cache)
         if rows is None:
             return None
+        with self._lock:
+            return self._step(input_ids, cache, rows, logits_to_keep)
+
+    def _step(self, input_ids: torch.Tensor, cache: Any, rows: DecodeRows,
+              logits_to_keep: int | torch.Tensor) -> ModelOutput:
         b, t = input_ids.shape
         n, base = b * t, rows.cache
         threads = torch.get_num_threads()
