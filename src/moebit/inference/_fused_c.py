@@ -106,6 +106,7 @@ static void lin_cols(const fd_lin *L, int64_t e, const fd_act *a, int64_t R, flo
 }
 
 static inline int64_t nblk(int64_t n) { return (n + FB - 1) / FB; }
+static inline int64_t upto(int64_t a, int64_t n) { return a < n ? a : n; }
 
 static void rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps) {
     float lane[16] = {0}, ss = 0.0f;
@@ -116,6 +117,17 @@ static void rmsnorm(const float *x, const float *w, float *y, int64_t d, float e
     for (int j = 0; j < 16; j++) ss += lane[j];
     const float r = 1.0f / sqrtf(ss / (float)d + eps);
     for (i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* rows of x through RMSNorm (weight w) into xn, and with act8 their 8-bit blocks: the
+   input of every product that follows a norm */
+static void norm_rows(const fd_model *m, const float *w, int64_t R) {
+    const int64_t D = m->d;
+    for (int64_t r = 0; r < R; r++) {
+        rmsnorm(m->x + r * D, w, m->xn + r * D, D, m->eps);
+        if (m->act8)
+            quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32, m->xnc + r * D / 32);
+    }
 }
 
 /* transformers' rotate-half RoPE on the first rw dims of one head (the rest pass) */
@@ -158,13 +170,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             const fd_layer *ly = m->layers + l;
             float *kcl = kc[l], *vcl = vc[l];
 #pragma omp single
-            {
-                for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, ly->ln1, m->xn + r * D, D, m->eps);
-                if (m->act8)
-                    for (int64_t r = 0; r < R; r++)
-                        quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
-                               m->xnc + r * D / 32);
-            }
+            norm_rows(m, ly->ln1, R);
             {
                 const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
                 const int64_t bq = nblk(QN), bk = nblk(KN);
@@ -173,7 +179,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     const fd_lin *L = j < bq ? &ly->q : j < bq + bk ? &ly->k : &ly->v;
                     float *y = j < bq ? m->qb : j < bq + bk ? m->kb : m->vb;
                     const int64_t b = j < bq ? j : j < bq + bk ? j - bq : j - bq - bk;
-                    const int64_t n0 = b * FB, n1 = n0 + FB < L->n ? n0 + FB : L->n;
+                    const int64_t n0 = b * FB, n1 = upto(n0 + FB, L->n);
                     lin_cols(L, 0, &xa, R, y, n0, n1);
                 }
             }
@@ -227,20 +233,18 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblk(D); b++) {
-                const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
+                const int64_t n0 = b * FB, n1 = upto(n0 + FB, D);
                 const fd_act aa = act_at(m->att, m->act8 ? m->attq : 0, m->attd, m->attc, 0);
                 lin_cols(&ly->o, 0, &aa, R, m->ob, n0, n1);
             }
 #pragma omp single
-            for (int64_t r = 0; r < R; r++) {
-                for (int64_t i = 0; i < D; i++) m->x[r * D + i] += m->ob[r * D + i];
-                rmsnorm(m->x + r * D, ly->ln2, m->xn + r * D, D, m->eps);
-                if (m->act8) quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
-                                    m->xnc + r * D / 32);
+            {
+                for (int64_t i = 0; i < R * D; i++) m->x[i] += m->ob[i];
+                norm_rows(m, ly->ln2, R);
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblk(m->e); b++) {
-                const int64_t n0 = b * FB, n1 = n0 + FB < m->e ? n0 + FB : m->e;
+                const int64_t n0 = b * FB, n1 = upto(n0 + FB, m->e);
                 const fd_act xa = act_at(m->xn, 0, 0, 0, 0);  /* the router stays float */
                 lin_cols(&ly->router, 0, &xa, R, m->lg, n0, n1);
             }
@@ -317,7 +321,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             for (int64_t j = 0; j < na * bf; j++) {
                 const int64_t a = j / bf, b = j % bf, e = m->act_e[a];
                 const int64_t off = m->act_off[a], n = m->act_n[a];
-                const int64_t n0 = b * UB, n1 = n0 + UB < F ? n0 + UB : F;
+                const int64_t n0 = b * UB, n1 = upto(n0 + UB, F);
                 float *hu = m->hu + off * 2 * F;
                 const fd_act xa = act_at(m->xe, m->act8 ? m->xeq : 0, m->xed, m->xec, off * D);
                 lin_cols(&ly->up, e, &xa, n, hu, n0, n1);
@@ -339,13 +343,13 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             for (int64_t j = 0; j < na * bd; j++) {
                 const int64_t a = j / bd, b = j % bd, e = m->act_e[a];
                 const int64_t off = m->act_off[a], n = m->act_n[a];
-                const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
+                const int64_t n0 = b * FB, n1 = upto(n0 + FB, D);
                 const fd_act ha = act_at(m->ha, m->act8 ? m->haq : 0, m->had, m->hac, off * F);
                 lin_cols(&ly->down, e, &ha, n, m->ye + off * D, n0, n1);
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < bd; b++) {   /* combine: columns split, rows in order */
-                const int64_t n0 = b * FB, n1 = n0 + FB < D ? n0 + FB : D;
+                const int64_t n0 = b * FB, n1 = upto(n0 + FB, D);
                 for (int64_t s = 0; s < ns; s++) {
                     float *xr = m->x + m->slot_row[s] * D;
                     const float w = m->sw[s], *y = m->ye + s * D;
@@ -354,17 +358,11 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             }
         }
 #pragma omp single
-        {
-            for (int64_t r = 0; r < R; r++) rmsnorm(m->x + r * D, m->norm, m->xn + r * D, D, m->eps);
-            if (m->act8)
-                for (int64_t r = 0; r < R; r++)
-                    quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
-                           m->xnc + r * D / 32);
-        }
+        norm_rows(m, m->norm, R);
         const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk(m->vocab); b++) {
-            const int64_t n0 = b * FB, n1 = n0 + FB < m->vocab ? n0 + FB : m->vocab;
+            const int64_t n0 = b * FB, n1 = upto(n0 + FB, m->vocab);
             lin_cols(&m->head, 0, &xa, R, logits, n0, n1);
         }
     }

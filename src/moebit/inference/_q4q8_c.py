@@ -77,95 +77,82 @@ static inline float fd_hsum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-/* acc + the sums of 4 adjacent products of u (unsigned, <= 15) and x (signed) */
-static inline __m256i dot_u4s8(__m256i acc, __m256i u, __m256i x) {
+/* the sums of 4 adjacent products of u (unsigned, <= 15) and x (signed) */
+static inline __m256i dot_u4s8(__m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, x);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else   /* u <= 15, |x| <= 127: a pair's sum fits int16 without saturating */
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 #endif
 }
 
 #endif
 
-static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
-                     int64_t Kp, float *y, int64_t n0, int64_t n1) {
-    const int64_t G = Kp / 32, rowb = Kp / 2;
+/* one weight row (nibbles qc, group scales sc) against one 8-bit activation row */
+static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, const int8_t *xq,
+                             const float *xd, const float *xc) {
+    float corr = 0.0f, tot = 0.0f;
+    int64_t g = 0, j = 0;
 #if defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    for (int64_t c = n0; c < n1; c++) {
-        const uint8_t *qc = q + c * rowb;
-        const float *sc = s + c * G;
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *xq = a->q + r * Kp;
-            const float *xd = a->d + r * G, *xc = a->c + r * G;
-            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            int64_t g = 0;
-            /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
-            for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + g * 16));
-                const __m256i dlo = dot_u4s8(_mm256_setzero_si256(), _mm256_and_si256(v, m4),
-                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
-                const __m256i dhi = dot_u4s8(_mm256_setzero_si256(),
-                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                             _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32)));
-                const __m128 sw = _mm_castpd_ps(_mm_load_sd((const double *)(sc + g)));
-                const __m128 sx = _mm_castpd_ps(_mm_load_sd((const double *)(xd + g)));
-                const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, sx)),
-                                                           lanes);
-                acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dlo, dhi)), s8, acc[p]);
-            }
-            /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
-            __m256 cv = _mm256_setzero_ps();
-            int64_t j = 0;
-            for (; j + 8 <= G; j += 8)
-                cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + j), _mm256_loadu_ps(xc + j), cv);
-            float corr = fd_hsum8(cv);
-            for (; j < G; j++) corr += sc[j] * xc[j];
-            if (g < G) {  /* a last group alone, in natural order */
-                const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
-                const __m128i m4x = _mm_set1_epi8(0x0F);
-                const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4x),
-                                                    _mm_and_si128(v0, m4x));
-                const __m256i d0 = dot_u4s8(_mm256_setzero_si256(), u0,
-                                            _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
-                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
-            }
-            y[r * N + c] = fd_hsum8(_mm256_add_ps(acc[0], acc[1])) - corr;
-        }
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
+    for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + g * 16));
+        const __m256i dlo = dot_u4s8(_mm256_and_si256(v, m4),
+                                     _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
+        const __m256i dhi = dot_u4s8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                     _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32)));
+        const __m128 sw = _mm_castpd_ps(_mm_load_sd((const double *)(sc + g)));
+        const __m128 sx = _mm_castpd_ps(_mm_load_sd((const double *)(xd + g)));
+        const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, sx)), lanes);
+        acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dlo, dhi)), s8, acc[p]);
     }
+    if (g < G) {  /* a last group alone, in natural order */
+        const __m128i v0 = _mm_loadu_si128((const __m128i *)(qc + g * 16));
+        const __m128i m4x = _mm_set1_epi8(0x0F);
+        const __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v0, 4), m4x),
+                                            _mm_and_si128(v0, m4x));
+        const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
+    }
+    tot = fd_hsum8(_mm256_add_ps(acc[0], acc[1]));
+    /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
+    __m256 cv = _mm256_setzero_ps();
+    for (; j + 8 <= G; j += 8)
+        cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + j), _mm256_loadu_ps(xc + j), cv);
+    corr = fd_hsum8(cv);
 #else
-    for (int64_t c = n0; c < n1; c++) {
-        const uint8_t *qc = q + c * rowb;
-        const float *sc = s + c * G;
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *xq = a->q + r * Kp;
-            const float *xd = a->d + r * G, *xc = a->c + r * G;
-            float corr = 0.0f, tot = 0.0f;
-            int64_t g = 0;
-            for (int64_t j = 0; j < G; j++) corr += sc[j] * xc[j];
-            for (; g + 2 <= G; g += 2) {
-                int d0 = 0, d1 = 0;
-                for (int i = 0; i < 16; i++) {
-                    const uint8_t b0 = qc[g * 16 + i], b1 = qc[g * 16 + 16 + i];
-                    d0 += (b0 & 15) * xq[g * 32 + i] + (b0 >> 4) * xq[g * 32 + 32 + i];
-                    d1 += (b1 & 15) * xq[g * 32 + 16 + i] + (b1 >> 4) * xq[g * 32 + 48 + i];
-                }
-                tot += (float)d0 * sc[g] * xd[g] + (float)d1 * sc[g + 1] * xd[g + 1];
-            }
-            if (g < G) {
-                int d0 = 0;
-                for (int i = 0; i < 16; i++) {
-                    const uint8_t b = qc[g * 16 + i];
-                    d0 += (b & 15) * xq[g * 32 + i] + (b >> 4) * xq[g * 32 + 16 + i];
-                }
-                tot += (float)d0 * sc[g] * xd[g];
-            }
-            y[r * N + c] = tot - corr;
+    for (; g + 2 <= G; g += 2) {
+        int d0 = 0, d1 = 0;
+        for (int i = 0; i < 16; i++) {
+            const uint8_t b0 = qc[g * 16 + i], b1 = qc[g * 16 + 16 + i];
+            d0 += (b0 & 15) * xq[g * 32 + i] + (b0 >> 4) * xq[g * 32 + 32 + i];
+            d1 += (b1 & 15) * xq[g * 32 + 16 + i] + (b1 >> 4) * xq[g * 32 + 48 + i];
         }
+        tot += (float)d0 * sc[g] * xd[g] + (float)d1 * sc[g + 1] * xd[g + 1];
+    }
+    if (g < G) {
+        int d0 = 0;
+        for (int i = 0; i < 16; i++) {
+            const uint8_t b = qc[g * 16 + i];
+            d0 += (b & 15) * xq[g * 32 + i] + (b >> 4) * xq[g * 32 + 16 + i];
+        }
+        tot += (float)d0 * sc[g] * xd[g];
     }
 #endif
+    for (; j < G; j++) corr += sc[j] * xc[j];
+    return tot - corr;
+}
+
+static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
+                     int64_t Kp, float *y, int64_t n0, int64_t n1) {
+    const int64_t G = Kp / 32, rowb = Kp / 2;
+    for (int64_t c = n0; c < n1; c++)
+        for (int64_t r = 0; r < R; r++)
+            y[r * N + c] = q4q8_dot(q + c * rowb, s + c * G, G, a->q + r * Kp, a->d + r * G,
+                                    a->c + r * G);
 }
 
 /* y[R, N] = x[R, kp] @ W^T for int4 weights in groups of 32 on 8-bit activation blocks
