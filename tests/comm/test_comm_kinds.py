@@ -12,6 +12,7 @@ def test_every_op_moebit_issues_has_its_kind() -> None:
         "onebit.phase1": "onebit", "onebit.header": "onebit",
         "outer.fp32": "outer", "outer.bf16": "outer", "outer.int8.phase1": "outer",
         "outer.onebit.phase2": "outer", "outer.onebit.header": "outer",
+        "outer_node.allgather": "outer_node",
         "ddp.powersgd": "ddp_hook", "ddp.fp16": "ddp_hook",
         "nan_check": "other", "freeze_check": "other",
         "fsdp.rs.int8": "rs", "fsdp.rs.none": "rs", "fsdp.ag.bf16": "ag",

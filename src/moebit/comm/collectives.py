@@ -8,6 +8,7 @@ A single process without those variables runs as world size 1 with no process gr
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -189,13 +190,45 @@ def broadcast_params_(module: torch.nn.Module, src: int = 0,
     which ``is_expert`` holds) differ between expert-parallel ranks (each holds other
     experts): with ``expert_dp_group`` they come from ``expert_src`` (a global rank)
     within that group, which holds the same experts on every member.
+
+    Ranks built from the same seed already agree, and between nodes a broadcast of the
+    whole model is the largest thing a low-communication run ever sends (the model once per
+    remote rank, more than DiLoCo's outer syncs of a short run). So each part is first
+    compared by a digest of its bytes (16 bytes on the wire) and only broadcast when some
+    rank holds other values.
     """
     if world_size() == 1:
         return
-    for p in module.parameters():
-        if expert_src is not None and is_expert is not None and is_expert(p):
-            dist.broadcast(p.data, src=expert_src, group=expert_dp_group)
-        else:
-            dist.broadcast(p.data, src=src)
-    for b in module.buffers():
-        dist.broadcast(b.data, src=src)
+    expert = expert_src is not None and is_expert is not None
+    dense = [p.data for p in module.parameters() if not (expert and is_expert(p))]  # type: ignore[misc]
+    dense += [b.data for b in module.buffers()]
+    if not same_on_all(dense):
+        for t in dense:
+            dist.broadcast(t, src=src)
+    if expert:
+        experts = [p.data for p in module.parameters() if is_expert(p)]  # type: ignore[misc]
+        if not same_on_all(experts, expert_dp_group):
+            for t in experts:
+                dist.broadcast(t, src=expert_src, group=expert_dp_group)  # type: ignore[arg-type]
+
+
+def tensors_digest(tensors: Sequence[torch.Tensor]) -> int:
+    """A 63-bit digest of the tensors' shapes, dtypes and bytes (blake2b), equal on two
+    ranks exactly when they hold the same values (up to hash collisions)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+        c = t.detach().contiguous().cpu()
+        h.update(c.view(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def same_on_all(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every rank of ``group`` holds bitwise the same ``tensors``: one allreduce of
+    the digest and its negation (MAX gives the largest and minus the smallest)."""
+    d = tensors_digest(tensors)
+    nccl = dist.get_backend(group) == "nccl"
+    t = torch.tensor([d, -d], dtype=torch.int64,
+                     device=tensors[0].device if nccl and tensors else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t[0]) == d == -int(t[1])

@@ -10,6 +10,12 @@ slow ones between nodes, so a worker is usually one node:
   holds exactly what rank j of every other node holds, so the outer step averages over it
   (one collective per outer group, all of them running in parallel across the nodes).
 
+The ranks of a node hold one dense replica, so they need not all send it: with the
+**share group** (the node's ranks again, as a communicator of its own) each exchanges
+1/L of the dense pseudo-gradient over its outer group and the node all-gathers the
+averages over its fast link. The slow link then carries each node's model once per
+sync, not L times.
+
 ``outer_group="world"`` makes every rank its own worker instead: the inner group is the rank
 alone and the outer group is every rank (useful on one node, and in tests).
 
@@ -51,6 +57,11 @@ class Layout:
     inner: list[tuple[int, ...]]
     inner_expert: list[tuple[int, ...]]
     outer: list[tuple[int, ...]]
+
+    @property
+    def share(self) -> list[tuple[int, ...]]:
+        """The ranks that split one outer exchange: a node's, when it has several."""
+        return [g for g in self.inner if len(g) > 1]
 
 
 def outer_layout(world: int, local: int, mode: str = "node", ep_size: int = 1) -> Layout:
@@ -98,6 +109,7 @@ class OuterGroups:
     inner_ranks: tuple[int, ...]
     inner_expert_ranks: tuple[int, ...]
     outer_ranks: tuple[int, ...]
+    share: dist.ProcessGroup | None = None  # the node's ranks, for the outer exchange only
 
     @property
     def workers(self) -> int:
@@ -123,7 +135,7 @@ def outer_groups(mode: str = "node", local_world_size: int | None = None,
 
     Without a process group (one process) every group is None and this rank is the only
     worker. Groups are created in a fixed order: all inner groups, all inner-expert groups,
-    all outer groups.
+    all outer groups, all share groups.
     """
     local = local_world_size_from_env() if local_world_size is None else local_world_size
     world, me = collectives.world_size(), collectives.rank()
@@ -140,7 +152,13 @@ def outer_groups(mode: str = "node", local_world_size: int | None = None,
                 mine, mine_ranks = g, b
         found.append(mine)
         ranks.append(mine_ranks)
-    return OuterGroups(mode, local, found[0], found[1], found[2], ranks[0], ranks[1], ranks[2])
+    share = None
+    for b in layout.share:
+        g = dist.new_group(list(b))
+        if me in b:
+            share = g
+    return OuterGroups(mode, local, found[0], found[1], found[2], ranks[0], ranks[1], ranks[2],
+                       share)
 
 
 def inner_param_groups(params: Iterable[torch.Tensor], groups: OuterGroups,

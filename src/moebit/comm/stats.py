@@ -70,7 +70,7 @@ class CommStats:
         return out
 
 
-KINDS = ("a2a", "exact", "onebit", "outer", "ddp_hook", "rs", "ag", "other")
+KINDS = ("a2a", "exact", "onebit", "outer", "outer_node", "ddp_hook", "rs", "ag", "other")
 
 
 def kind_of(op: str) -> str:
@@ -79,8 +79,9 @@ def kind_of(op: str) -> str:
     ``a2a``: the MoE token all-to-all (dispatch, combine, their split sizes); ``onebit``: the
     compressed optimizer exchanges; ``outer``: DiLoCo's pseudo-gradient exchanges
     (``moebit.optim.outer``, every compression: fp32, bf16, int8, 1-bit), kept apart because
-    they happen once per H steps; ``exact``: full-precision gradient or optimizer-state
-    averages (plain allreduces, 1-bit Adam's warm-up, DDP); ``ddp_hook``: torch's
+    they happen once per H steps; ``outer_node``: the all-gather inside a node that
+    completes them when the node's ranks each exchanged a slice; ``exact``: full-precision
+    gradient or optimizer-state averages (plain allreduces, 1-bit Adam's warm-up, DDP); ``ddp_hook``: torch's
     compressing DDP hooks run as benchmark peers (PowerSGD, fp16); ``rs`` / ``ag``: sharded
     training's gradient reduce-scatters and parameter all-gathers (``fsdp.rs.*``,
     ``fsdp.ag.*``, exact or compressed); ``other``: small control collectives (NaN
@@ -90,6 +91,8 @@ def kind_of(op: str) -> str:
         return "a2a"
     if op.startswith("outer."):
         return "outer"
+    if op.startswith("outer_node."):
+        return "outer_node"
     if op.startswith("fsdp.rs."):
         return "rs"
     if op.startswith("fsdp.ag."):

@@ -154,16 +154,19 @@ OUTER_KEYS = {"outer_every": "every", "outer_lr": "lr", "outer_momentum": "momen
 
 
 def build_outer_optimizer(inner: Optimizer, blocks: Blocks, group: dist.ProcessGroup | None,
+                          share: dist.ProcessGroup | None = None,
                           **settings: Any) -> OuterOptimizer:
     """DiLoCo around ``inner`` from flat keys (``outer_every=50, outer_compress="int8"``...),
-    the names a config file uses; an unknown key is an error naming it."""
+    the names a config file uses; an unknown key is an error naming it. ``share``: see
+    ``OuterOptimizer``."""
     unknown = sorted(set(settings) - set(OUTER_KEYS))
     if unknown:
         raise ValueError(f"unknown outer optimizer key(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(OUTER_KEYS)} (compressions: {', '.join(OUTER_COMPRESSIONS)})")
     if "outer_every" not in settings:
         raise ValueError("outer_every (inner steps between outer syncs) is required")
-    return OuterOptimizer(inner, blocks, group, **{OUTER_KEYS[k]: v for k, v in settings.items()})
+    return OuterOptimizer(inner, blocks, group, share=share,
+                          **{OUTER_KEYS[k]: v for k, v in settings.items()})
 
 
 # DeepSpeed "type" (lower-cased, as DeepSpeed compares it) -> (registry name, params

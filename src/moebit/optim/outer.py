@@ -24,6 +24,12 @@ buffers hold this rank's shards only, 1/node of a replica; the outer group pairs
 that hold the same shard on every node. Fragments are still cut by whole parameters (their
 global sizes), so every rank of a node syncs its shards of the same blocks at the same step.
 
+A node's ranks hold the same dense replica (``outer_group=node`` without sharding). Given
+their ``share`` group, each exchanges only its 1/L slice of a fragment's dense
+pseudo-gradient over its outer group and the node all-gathers the averaged slices over its
+own link, so the slow link carries the model once per sync instead of once per local rank.
+Expert parameters (other experts on each rank of the node) travel whole.
+
 Why a separate object rather than a ``torch.optim.Optimizer`` wrapping the inner one: the
 training loop sets ``lr`` in every group of its optimizer each step (the schedule), decides
 how gradients are averaged from the optimizer's attributes (``averages_gradients``,
@@ -130,13 +136,17 @@ class OuterOptimizer:
     other code uses, since the exchange runs in a background thread). All replicas of the
     outer group must hold the same parameters when this is built (broadcast them first).
 
-    Call ``step()`` once after every inner ``opt.step()`` that was taken (not after a
-    skipped step). ``last_sync`` is the ``SyncRecord`` of a sync finished at that step, or
-    None. Options: ``every`` H (``outer_every``), ``lr``, ``momentum``, ``nesterov``,
+    Call ``step()`` once per inner step of the loop, after ``opt.step()``, also for a
+    step skipped for a non-finite loss (the worker then did not move): the schedule counts
+    loop steps, so the workers' syncs meet without agreeing on their skips. ``last_sync``
+    is the ``SyncRecord`` of a sync finished at that step, or None. Options: ``every`` H
+    (``outer_every``), ``lr``, ``momentum``, ``nesterov``,
     ``compress`` (none | bf16 | int8 | 1bit), ``fragments`` F, ``delay`` D < H/F, ``alpha``
     (mixing of a late update, in [0, 1)), ``int8_block``, ``onebit_block``
     (elements per 1-bit scale; 0: one per chunk, ``moebit.comm.compressed``). ``is_expert`` tells expert
     parameters (default: moebit.moe's mark), which are exchanged apart from dense ones.
+    ``share``: the ranks holding this rank's dense replica (its node, with ``outer_group``
+    node and no sharding; ``OuterGroups.share``), which split each dense exchange.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, blocks: Blocks,
@@ -144,7 +154,8 @@ class OuterOptimizer:
                  momentum: float = 0.9, nesterov: bool = True, compress: str = "none",
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  int8_block: int = DEFAULT_BLOCK, onebit_block: int = DEFAULT_BLOCK,
-                 is_expert: Callable[[torch.Tensor], bool] = marked_expert) -> None:
+                 is_expert: Callable[[torch.Tensor], bool] = marked_expert,
+                 share: dist.ProcessGroup | None = None) -> None:
         self.settings = OuterSettings(every, lr, momentum, nesterov, compress, fragments, delay,
                                       alpha, int8_block, onebit_block)  # raises if bad
         self.every, self.fragments, self.delay = every, fragments, delay
@@ -153,6 +164,7 @@ class OuterOptimizer:
         self.inner = inner
         self.group = group
         self.world = collectives.world_size(group)
+        self.share = share if collectives.world_size(share) > 1 else None
         if self.delay > 0 and group is None and self.world > 1:
             raise ValueError(
                 "outer_delay > 0 runs the exchange in a background thread, which must not share "
@@ -246,10 +258,31 @@ class OuterOptimizer:
         """Dense and expert parts travel apart: the ranks of a node hold other experts, and
         a compression scale shared with them would make the dense averages differ there."""
         k = frag.dense
-        if k == 0 or k == delta.numel():
+        if k == 0:
             return self.exchange.average(delta, name)
-        return torch.cat([self.exchange.average(delta[:k], name),
+        if k == delta.numel():
+            return self._average_dense(delta, name)
+        return torch.cat([self._average_dense(delta[:k], name),
                           self.exchange.average(delta[k:], f"{name}.expert")])
+
+    def _average_dense(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """The average of a dense part; with a share group, this rank exchanges its slice
+        and the node all-gathers the slices (equal lengths, the last one padded)."""
+        if self.share is None:
+            return self.exchange.average(flat, name)
+        n, parts, me = flat.numel(), self.share.size(), self.share.rank()
+        size = -(-n // parts)
+        size = -(-size // _SLICE_ALIGN) * _SLICE_ALIGN
+        lo, hi = min(me * size, n), min((me + 1) * size, n)
+        mine = torch.zeros(size, dtype=torch.float32, device=flat.device)
+        if hi > lo:  # the same on the whole outer group: its ranks hold the same slice
+            mine[: hi - lo] = self.exchange.average(flat[lo:hi].contiguous(), name)
+        slices = [torch.empty_like(mine) for _ in range(parts)]
+        t0 = time.perf_counter()
+        dist.all_gather(slices, mine, group=self.share)
+        moved = 4 * size * (parts - 1)
+        stats.record("outer_node.allgather", moved, moved, time.perf_counter() - t0)
+        return torch.cat(slices)[:n]
 
     def _resolve(self) -> tuple[_Pending, float]:
         """Wait for the pending exchange; returns it and the seconds spent waiting."""
@@ -367,6 +400,9 @@ class OuterOptimizer:
         for t in tensors_in(self.exchange.state_dict()):
             total += t.numel() * t.element_size()
         return total
+
+
+_SLICE_ALIGN = 256  # elements: slices hold whole blocks of the default int8 and 1-bit scales
 
 
 def _outer_bytes() -> int:

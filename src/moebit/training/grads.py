@@ -93,27 +93,30 @@ def clip_gradients(model: nn.Module, max_norm: float) -> float:
     return norm
 
 
-def any_rank(flag: bool, local_grads: bool) -> bool:
-    """Whether any rank saw ``flag``: the step is skipped everywhere or nowhere.
+def any_rank(flag: bool, local_grads: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether any rank of ``group`` (default: the world) saw ``flag``: the step is skipped
+    everywhere or nowhere.
 
     With exact gradient averaging a NaN on one rank reaches every rank's gradients, so
     the local check suffices; the 1-bit optimizers exchange no gradients, so they pay
     one 4-byte allreduce per step for the verdict.
     """
-    if not local_grads or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not local_grads or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return flag
     t = torch.tensor([1.0 if flag else 0.0])
     t0 = time.perf_counter()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    w = dist.get_world_size()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    w = dist.get_world_size(group)
     stats.record("nan_check", stats.ring_allreduce_bytes(4, w), stats.ring_allreduce_bytes(4, w),
                  time.perf_counter() - t0)
     return bool(t.item() > 0)
 
 
-def non_finite(loss: float, norm: float, averaged: bool) -> bool:
-    """The verdict of every rank on this step: was its loss or gradient NaN/inf anywhere?"""
-    return any_rank(not (math.isfinite(loss) and math.isfinite(norm)), not averaged)
+def non_finite(loss: float, norm: float, averaged: bool,
+               group: dist.ProcessGroup | None = None) -> bool:
+    """The verdict of every rank of ``group`` (the ranks whose gradients are averaged
+    together; default the world): was the loss or gradient NaN/inf on any of them?"""
+    return any_rank(not (math.isfinite(loss) and math.isfinite(norm)), not averaged, group)
 
 
 def nan_stop_reason(on_nan: str, streak: int, max_skips: int) -> str | None:

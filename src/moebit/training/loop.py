@@ -223,12 +223,16 @@ def step_once(r: Run, step: int) -> None:
         averaged = average_for_step(opt)
         norm = clip_gradients(r.model, cfg.grad_clip)  # type: ignore[arg-type]
     loss_value = float(out.loss.detach())
-    # Every rank reaches the same verdict: a lone rank that stops or skips would leave
-    # the others blocked in the next collective until the process-group timeout. With an
-    # outer optimizer the gradients were averaged inside the worker only, so the verdict
-    # is asked of the world: the workers' outer schedules count the same steps.
-    if non_finite(loss_value, norm, averaged and r.outer is None):
+    # Every rank of a worker reaches the same verdict: a lone rank that stops or skips
+    # would leave the others blocked in the next collective until the process-group
+    # timeout. With an outer optimizer the gradients were averaged inside the worker
+    # only, so the verdict is the worker's (its inner group), never a round trip over the
+    # slow link every step: the outer schedule counts loop steps, taken or skipped, so
+    # the workers' syncs meet whatever each of them skipped.
+    if non_finite(loss_value, norm, averaged, r.groups.inner if r.groups else None):
         skip_step(r, step, loss_value, norm)
+        if r.outer is not None:
+            outer_step(r, step)
     else:
         r.nan_streak = 0
         was_frozen = getattr(opt, "frozen_at", None) is not None
@@ -247,7 +251,7 @@ def step_once(r: Run, step: int) -> None:
 
 
 def outer_step(r: Run, step: int) -> None:
-    """Count the step taken in the outer schedule; a sync finished here is recorded (an
+    """Count the step in the outer schedule; a sync finished here is recorded (an
     ``outer`` record per sync, and the window's means in the next ``train`` record)."""
     assert r.outer is not None
     sync = r.outer.step()

@@ -120,7 +120,11 @@ def make_outer(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer,
     if groups is None:
         return None
     blocks = model_blocks(model)
-    return build_outer_optimizer(opt, blocks, groups.outer, **outer_keys(cfg, len(blocks)))
+    # A node's ranks hold one dense replica unless it is sharded over them: they split the
+    # exchange, so the slow link carries it once (OuterOptimizer's share group).
+    share = groups.share if cfg.shard == "none" else None
+    return build_outer_optimizer(opt, blocks, groups.outer, share,
+                                 **outer_keys(cfg, len(blocks)))
 
 
 def outer_start_fields(outer: OuterOptimizer | None, groups: OuterGroups | None
