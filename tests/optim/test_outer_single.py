@@ -115,10 +115,11 @@ def test_one_worker_with_lr_1_and_no_momentum_is_the_inner_run():
     torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("compress,fragments,delay,alpha", [
-    ("1bit", 1, 0, 0.0), ("int8", 2, 1, 0.5), ("bf16", 2, 1, 0.0)])
-def test_state_round_trip_continues_bit_exactly(compress, fragments, delay, alpha):
-    kw = dict(compress=compress, fragments=fragments, delay=delay, alpha=alpha)
+@pytest.mark.parametrize("compress,fragments,delay,alpha,cut", [
+    ("1bit", 1, 0, 0.0, "blocks"), ("int8", 2, 1, 0.5, "blocks"), ("bf16", 2, 1, 0.0, "blocks"),
+    ("1bit", 2, 1, 0.5, "even")])
+def test_state_round_trip_continues_bit_exactly(compress, fragments, delay, alpha, cut):
+    kw = dict(compress=compress, fragments=fragments, delay=delay, alpha=alpha, cut=cut)
     model, opt, outer = _setup(every=6, **kw)
     _run(model, opt, outer, range(20))
     straight, straight_syncs = flat_params(model), outer.sync_count
@@ -214,5 +215,44 @@ def test_fragments_balance_elements_not_block_counts():
     assert balanced_bounds([5, 1, 1, 1], 2) == [0, 1, 4]  # block counts would give [0, 2, 4]
     blocks = [[torch.zeros(n)] for n in (40, 200, 200, 200, 200, 1)]
     parts = split_fragments(blocks, 4)
-    sizes = [sum(p.numel() for p in f) for f in parts]
+    sizes = [sum(pc.hi - pc.lo for pc in f) for f in parts]
     assert sizes == [240, 200, 200, 201] and max(sizes) <= 1.2 * sum(sizes) / 4
+
+
+def test_even_fragments_cover_every_element_once_in_equal_runs():
+    from moebit.optim.outer_params import EVEN_ALIGN, split_fragments
+
+    blocks = [[torch.zeros(n)] for n in (4000, 20000, 20000, 20000, 20000, 100)]
+    parts = split_fragments(blocks, 4, cut="even")
+    sizes = [sum(pc.hi - pc.lo for pc in f) for f in parts]
+    total = sum(sizes)
+    assert total == 84100 and max(sizes) - total / 4 <= EVEN_ALIGN / 2
+    seen = {id(b[0]): torch.zeros(b[0].numel(), dtype=torch.int64) for b in blocks}
+    for f in parts:
+        for pc in f:
+            seen[id(pc.param)][pc.lo:pc.hi] += 1
+    assert all(bool((c == 1).all()) for c in seen.values())
+    assert len(split_fragments(blocks, 7, cut="even")) == 7  # more fragments than blocks
+    with pytest.raises(ValueError, match="outer_fragments 400: 84100 elements cannot make"):
+        split_fragments(blocks, 400, cut="even")
+    with pytest.raises(ValueError, match="invalid outer_fragment_cut 'layers'"):
+        _setup(cut="layers")
+
+
+def test_an_even_fragment_syncs_exactly_its_elements():
+    """lr 0.5, momentum 0, one worker: a sync moves its fragment's elements halfway back to
+    theta_sync and leaves every other element where the inner steps put it."""
+    model, opt, outer = _setup(every=4, fragments=2, cut="even", lr=0.5, momentum=0.0)
+    start = flat_params(model)
+    _run(model, opt, outer, range(3))
+    before = flat_params(model)
+    x, y = regression_batch(0, 3)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    local = flat_params(model)
+    assert outer.step() is not None  # fragment 0 (offset 0) syncs at step 4
+    after = flat_params(model)
+    n0 = sum(pc.hi - pc.lo for pc in outer._frags[0].pieces)
+    torch.testing.assert_close(after[:n0], (start[:n0] + local[:n0]) / 2, rtol=0, atol=1e-7)
+    assert torch.equal(after[n0:], local[n0:]) and not torch.equal(before, local)

@@ -117,11 +117,12 @@ def test_bad_outer_settings_are_one_line_errors(flags, message, capsys):
         OuterSetup(group="rack").check("diloco")
 
 
-def test_sharding_inside_the_nodes_divides_each_ranks_outer_bytes():
+def test_a_node_sends_its_dense_model_once_whether_sharded_or_split():
     """``--outer-shard fsdp``: a rank holds 1/g of the parameters (dense and experts, with
-    ep inside the node), so its sync sends 1/g of the bytes, and so do the node's g ranks
-    together across the slow link (replicated, each sends the whole model); the inner
-    exchange becomes FSDP2's gathers and reduce-scatter (1.5x an allreduce's bytes)."""
+    ep inside the node), so its sync sends 1/g of the bytes. Replicated, the node's g ranks
+    split each exchange (1/g each, then an all-gather inside the node): the same bytes over
+    the slow link, a longer sync. The inner exchange becomes FSDP2's gathers and
+    reduce-scatter (1.5x an allreduce's bytes)."""
     s = Setup(micro_batch=2, steps=100, seq_len=32)
     four = ClusterSpec(nodes=2, devices_per_node=4, intra_bw=10e9, intra_lat=0.0,
                        inter_bw=100e6 / 8, inter_lat=1e-4, flops=1e10, pack_rate=1e9,
@@ -131,10 +132,13 @@ def test_sharding_inside_the_nodes_divides_each_ranks_outer_bytes():
     n = TINY.total_params()
     assert rep["outer"]["held_params_per_rank"] == n and fsdp["outer"]["shard"] == "fsdp"
     assert fsdp["outer"]["held_params_per_rank"] == -(-n // 4)
-    assert fsdp["outer"]["bytes_per_sync"] == pytest.approx(rep["outer"]["bytes_per_sync"] / 4,
+    assert fsdp["outer"]["bytes_per_sync"] == pytest.approx(rep["outer"]["bytes_per_sync"],
                                                             rel=1e-3)
     assert fsdp["outer"]["inter_node_bytes_per_token"] == pytest.approx(
-        rep["outer"]["inter_node_bytes_per_token"] / 4, rel=1e-3)
+        rep["outer"]["inter_node_bytes_per_token"], rel=1e-3)
+    assert rep["outer"]["sync_s"] > fsdp["outer"]["sync_s"]  # the all-gather inside the node
+    whole = predict_outer(TINY, four, s, "diloco", OuterSetup(every=10, group="world"))
+    assert whole["outer"]["held_params_per_rank"] == n
     assert fsdp["bytes_per_step"]["exact"] == pytest.approx(
         1.5 * rep["bytes_per_step"]["exact"], rel=1e-3)
     from moebit.plan.presets import preset

@@ -145,3 +145,25 @@ def test_model_blocks_and_the_default_fragments():
     assert outer_fragments(cfg(outer="streaming_diloco"), 12) == 8  # at most H
     assert outer_fragments(cfg(outer="streaming_diloco", outer_delay=3), 5) == 2  # D*F < H
     assert outer_fragments(cfg(outer="streaming_diloco", outer_fragments=3), 5) == 3
+
+
+def _train_with_nan(rank: int, world: int, cfg_dict: dict, run_dir: str) -> dict:
+    from moebit.comm.collectives import init_from_env
+    from moebit.training.loop import train
+
+    from toys import poison_gpt_loss
+
+    poison_gpt_loss(rank, on_rank=1, at_call=3)  # worker 1 alone skips its step 3
+    return train(build(cfg_dict), Path(run_dir), init_from_env("cpu"))
+
+
+def test_a_step_one_worker_skips_keeps_the_sync_schedule(small_corpus: Path, tmp_path: Path):
+    """Workers never agree on skips (no per-step round trip between them): the outer
+    schedule counts loop steps, so their syncs meet at 4 and 8 and the run ends agreed."""
+    cfg = cfg_for(small_corpus, outer="diloco", outer_every=4, outer_group="world")
+    ends = run_on_ranks(_train_with_nan, 2, args=(cfg, str(tmp_path)), timeout=150)
+    assert [e["nan_skipped"] for e in ends] == [0, 1]
+    assert ends[0]["outer_syncs"] == ends[1]["outer_syncs"] == 2  # at steps 4 and 8
+    a, b = (shard(tmp_path, 8, r)["model"] for r in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(r["kind"] != "nan" or r["step"] == 3 for r in records(tmp_path))

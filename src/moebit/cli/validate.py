@@ -81,15 +81,15 @@ def check_outer(cfg: TrainConfig, world: int, nproc: int) -> None:
     meta = meta_model(cfg)
     blocks = model_blocks(meta)
     keys = outer_keys(cfg, len(blocks))
-    if keys["outer_fragments"] > len(blocks):
+    if keys["outer_fragments"] > len(blocks) and cfg.outer_fragment_cut == "blocks":
         raise ConfigError(f"outer_fragments: {keys['outer_fragments']} fragments, but the model "
                           f"has {len(blocks)} blocks of trainable parameters (embeddings, each "
-                          "layer, final norm and head)")
+                          "layer, final norm and head); outer_fragment_cut=even cuts inside them")
     try:
         OuterSettings(*(keys[k] for k in ("outer_every", "outer_lr", "outer_momentum",
                                           "outer_nesterov", "outer_compress", "outer_fragments",
                                           "outer_delay", "outer_alpha", "outer_int8_block",
-                                          "outer_onebit_block")))
+                                          "outer_onebit_block", "outer_fragment_cut")))
         params = [p for b in blocks for p in b]
         check_inner(make_optimizer(cfg, [{"params": params}]), params, None)
     except (TypeError, ValueError) as e:

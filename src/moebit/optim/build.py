@@ -150,7 +150,8 @@ def build_optimizer(
 OUTER_KEYS = {"outer_every": "every", "outer_lr": "lr", "outer_momentum": "momentum",
               "outer_nesterov": "nesterov", "outer_compress": "compress",
               "outer_fragments": "fragments", "outer_delay": "delay", "outer_alpha": "alpha",
-              "outer_int8_block": "int8_block", "outer_onebit_block": "onebit_block"}
+              "outer_int8_block": "int8_block", "outer_onebit_block": "onebit_block",
+              "outer_fragment_cut": "cut"}
 
 
 def build_outer_optimizer(inner: Optimizer, blocks: Blocks, group: dist.ProcessGroup | None,

@@ -10,11 +10,12 @@ SGD with Nesterov momentum that starts from theta_sync:
     theta_sync <- theta_sync - lr*u,   and every worker moves to theta_sync.
 
 Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512) cuts the model into F fragments
-of consecutive blocks; fragment i syncs at inner steps H + o_i, 2H + o_i, ... with
-o_i = floor(i*H/F), so the traffic of one sync is spread over the interval. A fragment's
-exchange starts at step s and is applied at step s + D (``delay``): the D inner steps in
-between run while the pseudo-gradient is on the wire. The late outer point is mixed into the
-parameters that moved meanwhile: theta = alpha*theta_local + (1-alpha)*theta_sync.
+of consecutive blocks (or, ``cut="even"``, equal runs of elements); fragment i syncs at
+inner steps H + o_i, 2H + o_i, ... with o_i = floor(i*H/F), so the traffic of one sync is
+spread over the interval. A fragment's exchange starts at step s and is applied at step
+s + D (``delay``): the D inner steps in between run while the pseudo-gradient is on the
+wire. The late outer point is mixed into the parameters that moved meanwhile:
+theta = alpha*theta_local + (1-alpha)*theta_sync.
 Pseudo-gradients may travel in bf16, int8 (INTELLECT-1) or 1 bit with error feedback
 (``moebit.optim.outer_compress``).
 
@@ -58,6 +59,7 @@ from moebit.optim.outer_compress import make_exchange
 from moebit.optim.outer_params import (
     Blocks,
     OuterSettings,
+    Piece,
     check_inner,
     marked_expert,
     module_blocks,
@@ -86,23 +88,30 @@ class SyncRecord:
 
 @dataclass
 class _Fragment:
-    params: list[torch.Tensor]  # dense ones first, then experts (``dense`` of them dense)
+    pieces: list[Piece]  # dense ones first, then experts (``dense`` elements dense)
     offset: int
     dense: int  # elements of the dense part
     sync: torch.Tensor  # float32 flat: theta at the last sync (the outer parameters)
     momentum: torch.Tensor  # float32 flat
 
     def locals(self) -> list[torch.Tensor]:
-        """The tensors this rank holds: the parameters, or their shards (DTensor)."""
-        return [local_tensor(p) for p in self.params]
+        """The elements this rank holds, as flat views of the parameters (or of their
+        DTensor shards): writing them writes the parameters."""
+        return [flat_view(local_tensor(pc.param))[pc.lo:pc.hi] for pc in self.pieces]
 
     def flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).float() for t in self.locals()])
+        return torch.cat([t.detach().float() for t in self.locals()])
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        held = self.locals()
-        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in held]), held,
-                                             strict=True)]
+        return list(flat.split([pc.hi - pc.lo for pc in self.pieces]))
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one flat view (never a copy: the outer step writes through it)."""
+    if not t.is_contiguous():
+        raise ValueError(f"outer optimizer: a parameter of shape {tuple(t.shape)} is not "
+                         "contiguous, so its elements cannot be synced in place")
+    return t.view(-1)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -147,6 +156,8 @@ class OuterOptimizer:
     parameters (default: moebit.moe's mark), which are exchanged apart from dense ones.
     ``share``: the ranks holding this rank's dense replica (its node, with ``outer_group``
     node and no sharding; ``OuterGroups.share``), which split each dense exchange.
+    ``cut``: how fragments are cut, ``blocks`` (whole consecutive blocks, the paper's) or
+    ``even`` (equal runs of elements: the peak exchange is 1/F of the model).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, blocks: Blocks,
@@ -155,30 +166,31 @@ class OuterOptimizer:
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  int8_block: int = DEFAULT_BLOCK, onebit_block: int = DEFAULT_BLOCK,
                  is_expert: Callable[[torch.Tensor], bool] = marked_expert,
-                 share: dist.ProcessGroup | None = None) -> None:
+                 share: dist.ProcessGroup | None = None, cut: str = "blocks") -> None:
         self.settings = OuterSettings(every, lr, momentum, nesterov, compress, fragments, delay,
-                                      alpha, int8_block, onebit_block)  # raises if bad
+                                      alpha, int8_block, onebit_block, cut)  # raises if bad
         self.every, self.fragments, self.delay = every, fragments, delay
         self.lr, self.momentum, self.alpha = float(lr), float(momentum), float(alpha)
         self.nesterov, self.compress = nesterov, compress
         self.inner = inner
         self.group = group
         self.world = collectives.world_size(group)
-        self.share = share if collectives.world_size(share) > 1 else None
+        # Alone in its outer group (one node) a rank has nothing to split.
+        self.share = share if self.world > 1 and collectives.world_size(share) > 1 else None
         if self.delay > 0 and group is None and self.world > 1:
             raise ValueError(
                 "outer_delay > 0 runs the exchange in a background thread, which must not share "
                 "the default process group with the training loop: pass a dedicated outer group "
                 "(moebit.comm.outer_groups.outer_groups)")
-        parts = split_fragments(module_blocks(blocks), self.fragments)
-        check_inner(inner, [p for part in parts for p in part], group)
+        parts = split_fragments(module_blocks(blocks), self.fragments, cut, local_tensor)
+        check_inner(inner, list({id(pc.param): pc.param for part in parts for pc in part}
+                                .values()), group)
         self._frags = []
-        for i, params in enumerate(parts):
-            dense = [p for p in params if not is_expert(p)]
-            experts = [p for p in params if is_expert(p)]
+        for i, pieces in enumerate(parts):
+            dense = [pc for pc in pieces if not is_expert(pc.param)]
+            experts = [pc for pc in pieces if is_expert(pc.param)]
             frag = _Fragment(dense + experts, (i * self.every) // self.fragments,
-                             sum(local_tensor(p).numel() for p in dense), torch.empty(0),
-                             torch.empty(0))
+                             sum(pc.hi - pc.lo for pc in dense), torch.empty(0), torch.empty(0))
             frag.sync = frag.flat()
             frag.momentum = torch.zeros_like(frag.sync)
             self._frags.append(frag)
@@ -313,14 +325,14 @@ class OuterOptimizer:
         buf.mul_(self.momentum).add_(avg)
         update = avg + buf * self.momentum if self.nesterov else buf
         frag.sync.sub_(update * self.lr)
-        for p, held, new in zip(frag.params, frag.locals(), frag.views(frag.sync), strict=True):
+        for pc, held, new in zip(frag.pieces, frag.locals(), frag.views(frag.sync), strict=True):
             if alpha == 0.0:
                 held.copy_(new)
             else:
                 held.copy_(torch.lerp(new, held.float(), alpha))
-            anchor = self.inner.state.get(p, {}).get("anchor")
+            anchor = self.inner.state.get(pc.param, {}).get("anchor")
             if anchor is not None:  # 0/1 Adam's local steps restart from the new point
-                anchor.copy_(p)
+                flat_view(anchor)[pc.lo:pc.hi].copy_(held)
         self._pending = None
         self.sync_count += 1
         self.last_sync = SyncRecord(t, pending.started, pending.fragment, pending.local_norm,

@@ -3,7 +3,7 @@ the checks that refuse an inner optimizer that cannot be wrapped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +15,13 @@ from moebit.comm import collectives
 from moebit.optim.base import check_range, check_step_arg
 from moebit.optim.outer_compress import COMPRESSIONS
 
-__all__ = ["Blocks", "OuterSettings", "check_inner", "marked_expert", "module_blocks",
-           "split_fragments"]
+__all__ = ["FRAGMENT_CUTS", "Blocks", "OuterSettings", "Piece", "check_inner", "marked_expert",
+           "module_blocks", "split_fragments"]
+
+# blocks: fragments of whole consecutive blocks (the paper's layers); even: equal runs of
+# elements (a fragment may end inside a matrix), so the largest is 1/F of the model.
+FRAGMENT_CUTS = ("blocks", "even")
+EVEN_ALIGN = 256  # elements: even fragments end on whole blocks of the default scales
 
 @dataclass(frozen=True)
 class OuterSettings:
@@ -33,6 +38,7 @@ class OuterSettings:
     alpha: float = 0.0
     int8_block: int = 256
     onebit_block: int = 256  # elements per 1-bit scale; 0: one scale per chunk
+    cut: str = "blocks"  # how fragments are cut: FRAGMENT_CUTS
 
     def __post_init__(self) -> None:
         check_step_arg("outer_every", self.every, "inner steps between outer syncs")
@@ -62,6 +68,9 @@ class OuterSettings:
         if isinstance(ob, bool) or not isinstance(ob, int) or ob < 0 or ob % 8:
             raise ValueError(f"invalid outer_onebit_block {ob!r}: elements per 1-bit scale, "
                              f"a multiple of 8, or 0 for one scale per chunk")
+        if self.cut not in FRAGMENT_CUTS:
+            raise ValueError(f"invalid outer_fragment_cut {self.cut!r}: expected one of "
+                             f"{', '.join(FRAGMENT_CUTS)}")
 
 
 Blocks = Iterable[torch.Tensor] | Iterable[Iterable[torch.Tensor] | nn.Module]
@@ -91,16 +100,58 @@ def module_blocks(blocks: Blocks) -> list[list[torch.Tensor]]:
     return out
 
 
-def split_fragments(blocks: list[list[torch.Tensor]], fragments: int) -> list[list[torch.Tensor]]:
-    """``fragments`` non-empty groups of consecutive blocks whose largest holds as few
-    elements as possible: a sync's peak traffic is its largest fragment, so Streaming
-    DiLoCo's peak is 1/F of DiLoCo's when the blocks allow it (an embedding block next to
-    the decoder blocks would otherwise double one fragment)."""
+@dataclass(frozen=True)
+class Piece:
+    """Elements [lo, hi) of one parameter, counted in the flat tensor this rank holds (its
+    local shard under FSDP2): a fragment is a list of pieces."""
+
+    param: torch.Tensor
+    lo: int
+    hi: int
+
+
+def split_fragments(blocks: list[list[torch.Tensor]], fragments: int, cut: str = "blocks",
+                    held: Callable[[torch.Tensor], torch.Tensor] = lambda p: p,
+                    ) -> list[list[Piece]]:
+    """``fragments`` non-empty fragments, in block order.
+
+    ``cut="blocks"``: groups of consecutive whole blocks whose largest holds as few elements
+    as possible (a sync's peak traffic is its largest fragment; balanced by the parameters'
+    global sizes, so every rank of a sharded node syncs the same blocks at the same step).
+    ``cut="even"``: the parameters' held elements (``held(p)``: the local shard) end to end,
+    cut into equal runs on multiples of ``EVEN_ALIGN``: the largest fragment is 1/F of the
+    model, whatever its blocks.
+    """
+    if cut == "even":
+        return even_fragments([p for b in blocks for p in b], fragments, held)
     if fragments > len(blocks):
         raise ValueError(f"invalid outer_fragments {fragments}: more fragments than the "
                          f"{len(blocks)} blocks of trainable parameters")
     bounds = balanced_bounds([sum(p.numel() for p in b) for b in blocks], fragments)
-    return [[p for b in blocks[lo:hi] for p in b] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    return [[Piece(p, 0, held(p).numel()) for b in blocks[lo:hi] for p in b]
+            for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+def even_fragments(params: list[torch.Tensor], fragments: int,
+                   held: Callable[[torch.Tensor], torch.Tensor]) -> list[list[Piece]]:
+    """The ``cut="even"`` fragments of ``split_fragments``."""
+    sizes = [held(p).numel() for p in params]
+    total = sum(sizes)
+    bounds = [min(total, round(i * total / fragments / EVEN_ALIGN) * EVEN_ALIGN)
+              for i in range(fragments)] + [total]
+    if any(hi <= lo for lo, hi in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"invalid outer_fragments {fragments}: {total} elements cannot make "
+                         f"{fragments} fragments of whole runs of {EVEN_ALIGN}")
+    out: list[list[Piece]] = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        frag, start = [], 0
+        for p, n in zip(params, sizes, strict=True):
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                frag.append(Piece(p, a - start, b - start))
+            start += n
+        out.append(frag)
+    return out
 
 
 def balanced_bounds(sizes: list[int], parts: int) -> list[int]:

@@ -26,13 +26,15 @@ train`` composes them) each node's ranks shard its parameters with FSDP2: a rank
 1/g of the dense parameters and 1/g of all experts (ep x efsdp inside the node), its
 inner exchange is an all-gather of each weight in forward and again in backward plus a
 reduce-scatter of the gradients over the node, and the outer step syncs only the rank's
-shards. Replicated, each of a node's g ranks syncs the whole model over the node link (g
-copies); sharded, each syncs its 1/g, so the bytes crossing the link fall g-fold.
+shards. Replicated (no ``--outer-shard``), the node's g ranks hold one dense replica and
+split each exchange: each syncs 1/g of the dense pseudo-gradient and the node all-gathers
+the averages over its own links (``OuterOptimizer``'s share group), so either way the node
+link carries the dense model once per sync; sharding also divides the outer state by g.
 
 Peak bytes per step is one fragment's sync (fragments start at offsets i*H/F, so no two
 start at the same step when F <= H): 1/F of DiLoCo's. Fragments are priced as equal
-slices of the held parameters; moebit cuts them at block boundaries, so a real fragment
-may differ from 1/F by up to one block.
+slices of the held parameters, as ``outer_fragment_cut=even`` cuts them; the default cut
+at block boundaries may differ from 1/F by up to one block.
 """
 
 from __future__ import annotations
@@ -160,10 +162,15 @@ def predict_outer(model: ModelSpec, c: ClusterSpec, s: Setup, optimizer: str,
             et, eb = _bucketed_allreduce(c, inner_exp, experts * s.grad_bytes)
             inner_t, inner_b = inner_t + et, inner_b + eb
     inner_step = compute + inner_t + a2a_t
-    parts = [(dense + frags - 1) // frags] + ([(experts + frags - 1) // frags] if experts else [])
+    split = (not sharded and o.group == "node" and inner is not None and inner.size > 1
+             and outer.size > 1)
+    sent_dense = -(-dense // inner.size) if split and inner is not None else dense
+    parts = [-(-sent_dense // frags)] + ([-(-experts // frags)] if experts else [])
     costs = [exchange_cost(c, outer, n, o.compress, o.int8_block, o.onebit_block)
              for n in parts]
     sync_s, sync_b = sum(t for t, _ in costs), sum(b for _, b in costs)
+    if split and inner is not None:  # the node all-gathers its ranks' averaged slices
+        sync_s += coll.all_gather(c, inner, 4 * parts[0])[0]
     exposed = max(0.0, sync_s - o.delay * inner_step)
     outer_per_step = frags * exposed / o.every
     step_s = inner_step + outer_per_step

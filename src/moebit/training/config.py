@@ -80,6 +80,7 @@ class TrainConfig:
     outer_alpha: float = 0.0  # mixing of a late update into the local parameters
     outer_int8_block: int = 256
     outer_onebit_block: int = 256  # elements per 1-bit scale (0: one scale per chunk)
+    outer_fragment_cut: str = "blocks"  # blocks: whole layers per fragment; even: equal runs
     outer_group: str = "node"  # node: a worker per node; world: every rank its own worker
     # sharded training (docs/sharding.md): FSDP2 splits parameters, gradients and optimizer
     # state over the ranks; "none" keeps a whole replica on every rank
@@ -349,7 +350,8 @@ def validate_outer(cfg: TrainConfig) -> None:
     try:  # the library's own checks, with a placeholder of 1 fragment where F is automatic
         OuterSettings(cfg.outer_every, cfg.outer_lr, cfg.outer_momentum, cfg.outer_nesterov,
                       cfg.outer_compress, max(1, cfg.outer_fragments), cfg.outer_delay,
-                      cfg.outer_alpha, cfg.outer_int8_block, cfg.outer_onebit_block)
+                      cfg.outer_alpha, cfg.outer_int8_block, cfg.outer_onebit_block,
+                      cfg.outer_fragment_cut)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

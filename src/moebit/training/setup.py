@@ -110,7 +110,8 @@ def outer_keys(cfg: TrainConfig, n_blocks: int) -> dict[str, Any]:
             "outer_compress": cfg.outer_compress,
             "outer_fragments": outer_fragments(cfg, n_blocks), "outer_delay": cfg.outer_delay,
             "outer_alpha": cfg.outer_alpha, "outer_int8_block": cfg.outer_int8_block,
-            "outer_onebit_block": cfg.outer_onebit_block}
+            "outer_onebit_block": cfg.outer_onebit_block,
+            "outer_fragment_cut": cfg.outer_fragment_cut}
 
 
 def make_outer(cfg: TrainConfig, model: CausalLM, opt: torch.optim.Optimizer,
