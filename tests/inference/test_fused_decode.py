@@ -246,7 +246,7 @@ def test_int4_on_8bit_activations_is_the_exact_product_of_the_rounded_blocks(isa
 
     lib = fused_decode._fused_c.load(isa)
     torch.manual_seed(0)
-    for r, n, k in ((1, 48, 64), (3, 40, 96), (6, 17, 128)):
+    for r, n, k in ((1, 48, 64), (3, 40, 96), (6, 17, 128), (2, 33, 224), (1, 20, 288)):
         qw = qgemv.quantize_weight(torch.randn(n, k), 4, 32)
         x = torch.randn(r, k)
         x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it

@@ -5,13 +5,13 @@ before the product, about 14 vector operations per 32 weights, and it is bound b
 arithmetic rather than by the bytes it reads. Rounding the activations to 8 bits in
 blocks of 32 (llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d)) turns a block's
 product into one integer dot product of the unsigned nibbles and the signed activations
-(AVX-512 VNNI ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd``, which cannot saturate:
-15 x 127 x 2 fits 16 bits; portable C), scaled once by the weight's and the block's
-scales. The nibbles are stored q + 8; the +8 comes off once per output as
-sum_g s_w[g] * 8 d[g] sum(q_x[g]). Two weight groups go per pass: one 32-byte load holds
-both groups' 16 bytes, its low nibbles are the first 16 weights of each and its high
-nibbles the last 16, so the activation blocks are stored in pairs in that order
-(``quant8``).
+(AVX-512 VNNI ``vpdpbusd``, four groups per 512-bit pass; AVX2 ``vpmaddubsw`` +
+``vpmaddwd``, which cannot saturate: 15 x 127 x 2 fits 16 bits; portable C), scaled once
+by the weight's and the block's scales. The nibbles are stored q + 8; the +8 comes off
+once per output as sum_g s_w[g] * 8 d[g] sum(q_x[g]). Two weight groups go per 256-bit
+pass: one 32-byte load holds both groups' 16 bytes, its low nibbles are the first 16
+weights of each and its high nibbles the last 16, so the activation blocks are stored in
+pairs in that order (``quant8``); a 512-bit pass puts two pairs side by side.
 
 ``fd_q4q8`` runs one product, for the tests.
 """
@@ -97,6 +97,31 @@ static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, cons
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    {   /* four groups a pass on 512-bit vectors: one 64-byte load of nibbles, the two
+           activation pairs' low and high halves side by side; lanes 4i..4i+3 of the
+           integer sums are group g+i's */
+        const __m512i m4z = _mm512_set1_epi8(0x0F);
+        const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        __m512 accz = _mm512_setzero_ps();
+        for (; g + 4 <= G; g += 4) {
+            const __m512i v = _mm512_loadu_si512((const void *)(qc + g * 16));
+            const int8_t *xp = xq + g * 32;
+            const __m512i xlo = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xp)),
+                _mm256_loadu_si256((const __m256i *)(xp + 64)), 1);
+            const __m512i xhi = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xp + 32))),
+                _mm256_loadu_si256((const __m256i *)(xp + 96)), 1);
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m4z), xlo);
+            d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4z), xhi);
+            const __m128 sw = _mm_mul_ps(_mm_loadu_ps(sc + g), _mm_loadu_ps(xd + g));
+            accz = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
+                                   _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(sw)), accz);
+        }
+        tot = _mm512_reduce_add_ps(accz);
+    }
+#endif
     /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
     for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + g * 16));
@@ -117,7 +142,7 @@ static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, cons
         const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
         acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
     }
-    tot = fd_hsum8(_mm256_add_ps(acc[0], acc[1]));
+    tot += fd_hsum8(_mm256_add_ps(acc[0], acc[1]));
     /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
     __m256 cv = _mm256_setzero_ps();
     for (; j + 8 <= G; j += 8)
