@@ -177,7 +177,7 @@ def test_env_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_packed_decode_rows_match_the_module_path() -> None:
     """The serving engine's packed step of decode rows alone ([1, N] ids over a
     ``RaggedView``, slots out of order, each at its own length) runs natively with the
-    logits of the modules; a step that carries a prefill chunk stays on the modules."""
+    logits of the modules."""
     m = make("mixtral", 8, vocab_size=256)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 4, 13)]
@@ -203,6 +203,60 @@ def test_packed_decode_rows_match_the_module_path() -> None:
     got = run(True)
     assert m.decode_step.steps == 2
     torch.testing.assert_close(got, ref, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_prompt_chunks_run_natively_with_the_module_paths_logits(bits: int | None) -> None:
+    """A prompt chunk is rows of one slot at consecutive columns: packed with a decode
+    row ([1, N] over a ``RaggedView``) it runs in the native step, and the kept logits
+    and the keys and values it wrote equal the module path's."""
+    m = make("mixtral", bits, vocab_size=256)
+    g = torch.Generator().manual_seed(1)
+    seq0, seq1 = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 9))
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = SlotKVCache.for_model(m, slots=2, scratch=0)
+        with torch.no_grad():
+            fused_decode.detach(m)
+            m(torch.tensor([seq1[:-1]]), cache=RaggedView(cache, [(1, len(seq1) - 1)]))
+            if fused:
+                fused_decode.attach(m)
+            a = m(torch.tensor([[seq1[-1], *seq0[:12]]]), cache=RaggedView(cache, [(1, 1), (0, 12)]),
+                  logits_to_keep=torch.tensor([0, 12])).logits
+            b = m(torch.tensor([seq0[12:]]), cache=RaggedView(cache, [(0, 18)]),
+                  logits_to_keep=1).logits
+        assert cache.lengths == [30, 9]
+        return torch.cat([a, b], 1), torch.stack([k[:, :, :30] for k in cache.k])
+
+    ref, ref_k = run(False)
+    got, got_k = run(True)
+    assert m.decode_step.steps == 2 and got.shape == (1, 3, 256)
+    torch.testing.assert_close(got, ref, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(got_k, ref_k, atol=1e-4, rtol=1e-4)
+
+
+def test_head_columns_follow_logits_to_keep() -> None:
+    assert fused_decode.head_columns(5, 0) is None and fused_decode.head_columns(5, 9) is None
+    assert fused_decode.head_columns(5, 2).tolist() == [3, 4]
+    assert fused_decode.head_columns(5, torch.tensor([0, 4])).tolist() == [0, 4]
+    assert fused_decode.head_columns(5, torch.tensor([], dtype=torch.long)).numel() == 0
+    with pytest.raises(IndexError, match="outside the step's 5 columns"):
+        fused_decode.head_columns(5, torch.tensor([5]))
+
+
+def test_native_groups_cut_chunks_at_the_call_size() -> None:
+    from moebit.serve.engine import native_groups
+
+    def req(prompt: int, prefilled: int) -> Request:
+        r = Request("r", [1] * prompt, SamplingParams(), lambda e: None)
+        r.prefilled = prefilled
+        return r
+
+    d1, d2, c1, c2 = req(3, 3), req(4, 4), req(10, 0), req(7, 2)
+    groups = native_groups([(c1, 10), (d1, 1), (c2, 5), (d2, 1)], 4)
+    assert [[(id(r), n) for r, n in g] for g in groups] == [
+        [(id(d1), 1), (id(d2), 1), (id(c1), 2)], [(id(c1), 4)], [(id(c1), 4)],
+        [(id(c2), 4)], [(id(c2), 1)]]
 
 
 @pytest.mark.parametrize("engine", ["ragged", "legacy"])
@@ -233,6 +287,32 @@ def test_the_serving_engine_gives_the_module_paths_text(engine: str) -> None:
     got = serve(True)
     assert got == want and all(want)
     assert m.decode_step.steps > 0
+
+
+def test_calls_cut_at_max_rows_give_the_same_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With native calls of at most 5 tokens, prompt chunks are cut across calls (and a
+    call of one engine step may hold decode rows and two requests' chunks): the texts
+    still equal the modules'."""
+    m = make("mixtral", vocab_size=256)
+    m.config.block_size = 64
+    ps = [b"def f(x):\n  return", b"class A:", b"import os\nimport sys"]
+
+    def serve(fused: bool) -> list[list[int]]:
+        (fused_decode.attach if fused else fused_decode.detach)(m)
+        eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8, max_batch_tokens=12)
+        reqs = [Request(str(i), list(p), SamplingParams(max_tokens=5 + i, temperature=0),
+                        lambda e: None) for i, p in enumerate(ps)]
+        for r in reqs:
+            eng.submit(r)
+        with torch.no_grad():
+            while eng.busy():
+                eng.step()
+        return [r.out for r in reqs]
+
+    want = serve(False)
+    monkeypatch.setattr(fused_decode, "MAX_ROWS", 5)
+    got = serve(True)
+    assert got == want and all(want)
 
 
 @pytest.mark.parametrize("isa", supported_isas())

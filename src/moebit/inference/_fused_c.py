@@ -130,6 +130,18 @@ static void norm_rows(const fd_model *m, const float *w, int64_t R) {
     }
 }
 
+/* the final norm of the rows whose logits are wanted, packed to the front of xn: row
+   hrows[h] (row h when hrows is NULL) becomes row h */
+static void norm_head_rows(const fd_model *m, const int64_t *hrows, int64_t nh) {
+    const int64_t D = m->d;
+    for (int64_t h = 0; h < nh; h++) {
+        const int64_t r = hrows ? hrows[h] : h;
+        rmsnorm(m->x + r * D, m->norm, m->xn + h * D, D, m->eps);
+        if (m->act8)
+            quant8(m->xn + h * D, D / 32, m->xnq + h * D, m->xnd + h * D / 32, m->xnc + h * D / 32);
+    }
+}
+
 /* transformers' rotate-half RoPE on the first rw dims of one head (the rest pass) */
 static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
     const int64_t half = rw / 2;
@@ -144,12 +156,20 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
    first[r] .. col[r] - 1, its new key and value go to column col[r], at position
    col[r] - first[r]. ids [R]; cos, sin [R, rw], or with ``tabled`` tables [tmax, rw] by
    position; live [R] or NULL (rows whose feed-forward still runs); kc, vc: per layer
-   [rows of the cache, hkv, tmax, dh]; logits [R, vocab] */
+   [rows of the cache, hkv, tmax, dh]; logits [nh, vocab] for the nh rows hrows names
+   (nh < 0: all R rows; 0: none). Rows may share a cache row at consecutive columns (a prompt chunk): every
+   row's key and value are written before any row attends, so each sees the ones before
+   it. */
 int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             const float *sin_, int64_t rw, int64_t tabled, const int64_t *slot,
             const int64_t *first, const int64_t *col, const uint8_t *live,
-            float *const *kc, float *const *vc, int64_t tmax, float *logits, int nthreads) {
+            float *const *kc, float *const *vc, int64_t tmax, float *logits, int nthreads,
+            const int64_t *hrows, int64_t nh) {
     if (R < 1 || R > m->rows_max || tmax > m->tmax_max) return 1;
+    if (nh > R || (nh > 0 && !hrows)) return 4;
+    if (nh < 0) { hrows = 0; nh = R; }   /* every row's logits */
+    for (int64_t h = 0; hrows && h < nh; h++)
+        if (hrows[h] < 0 || hrows[h] >= R) return 4;
     for (int64_t r = 0; r < R; r++)
         if (col[r] >= tmax || first[r] > col[r] || first[r] < 0) return 2;
     for (int64_t r = 0; r < R; r++)
@@ -358,12 +378,12 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
             }
         }
 #pragma omp single
-        norm_rows(m, m->norm, R);
+        norm_head_rows(m, hrows, nh);
         const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk(m->vocab); b++) {
             const int64_t n0 = b * FB, n1 = upto(n0 + FB, m->vocab);
-            lin_cols(&m->head, 0, &xa, R, logits, n0, n1);
+            lin_cols(&m->head, 0, &xa, nh, logits, n0, n1);
         }
     }
     return 0;
@@ -403,7 +423,7 @@ class Model(ctypes.Structure):
 SIGNATURES = {
     "fd_q4q8": ([_VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
-                 _VP, _VP, _I64, _VP, ctypes.c_int], ctypes.c_int),
+                 _VP, _VP, _I64, _VP, ctypes.c_int, _VP, _I64], ctypes.c_int),
 }
 _by_isa: dict[str | None, ctypes.CDLL | None] = {}
 

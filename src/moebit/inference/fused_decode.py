@@ -43,7 +43,7 @@ from torch import nn
 from moebit.inference import _fused_c
 from moebit.inference.quantize import QuantExperts
 from moebit.inference.quantize_dense import QuantLinear
-from moebit.models.interface import ModelOutput, keep_columns
+from moebit.models.interface import ModelOutput
 from moebit.models.kv_cache import DecodeRows, KVCache
 from moebit.moe import MoE
 from moebit.moe.experts import Experts
@@ -325,13 +325,17 @@ class FusedDecode:
             cos, sin = (x.reshape(n, -1).contiguous() for x in self.model.rotary_emb(pos))
         ids = input_ids.reshape(-1).contiguous()
         slot, first, col = (x.contiguous() for x in (rows.slot, rows.first, rows.col))
-        logits = torch.empty(b, t, self.struct.vocab)
+        cols = head_columns(t, logits_to_keep)
+        hrows = None if cols is None else (torch.arange(b)[:, None] * t + cols).reshape(-1)
+        logits = torch.empty(b, t if cols is None else cols.numel(), self.struct.vocab)
         kc, vc = self._pointers(base)
         rc = self.lib.fd_step(ctypes.byref(self.struct), n, ids.data_ptr(), cos.data_ptr(),
                               sin.data_ptr(), cos.shape[-1], self._tabled, slot.data_ptr(),
                               first.data_ptr(), col.data_ptr(),
                               None if rows.live is None else rows.live.data_ptr(), kc, vc,
-                              base.capacity, logits.data_ptr(), threads)
+                              base.capacity, logits.data_ptr(), threads,
+                              None if hrows is None or not hrows.numel() else hrows.data_ptr(),
+                              -1 if hrows is None else hrows.numel())
         if rc == 3:
             raise IndexError(f"a token id of {ids.tolist()} is outside the vocabulary "
                              f"({self.struct.vocab})")
@@ -339,7 +343,7 @@ class FusedDecode:
             raise RuntimeError(f"native decode step refused its arguments (code {rc})")
         cache.advance(t)
         self.steps += 1
-        return ModelOutput(keep_columns(logits, logits_to_keep), None, self._zero, [])
+        return ModelOutput(logits, None, self._zero, [])
 
     def _rope_table(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [capacity, rw] by position, computed once (and when a cache is longer)."""
@@ -347,6 +351,19 @@ class FusedDecode:
             cos, sin = self.model.rotary_emb(torch.arange(capacity)[None])
             self._rope = (cos[0].contiguous(), sin[0].contiguous())
         return self._rope
+
+
+def head_columns(t: int, logits_to_keep: int | torch.Tensor) -> torch.Tensor | None:
+    """The columns of a [b, t] step whose logits are wanted (``keep_columns``' rule), or
+    None for all of them: the head, the widest product, runs on those rows only."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        cols = logits_to_keep.reshape(-1).to("cpu", torch.int64)
+        if cols.numel() and not bool(((cols >= 0) & (cols < t)).all()):
+            raise IndexError(f"logits_to_keep {cols.tolist()} outside the step's {t} columns")
+        return cols
+    if not logits_to_keep or logits_to_keep >= t:
+        return None
+    return torch.arange(t - logits_to_keep, t)
 
 
 def enabled() -> bool:

@@ -289,16 +289,15 @@ class Engine:
         return plan
 
     def _ragged(self, plan: list[tuple[Request, int]]) -> None:
-        """One forward of the packed batch; two where the model decodes natively
-        (``fused_decode``): its decode rows in one native call, the prompt chunks through
-        the modules (packed together, the chunks would send the decode rows through the
-        modules too, several times slower a row than the native step)."""
-        decode = [(r, n) for r, n in plan if r.prefilled == len(r.prompt)]
-        if decode and len(decode) < len(plan) and getattr(self.model, "decode_step", None):
-            self._packed(decode)
-            self._packed([(r, n) for r, n in plan if r.prefilled < len(r.prompt)])
-        else:
+        """One forward of the packed batch; where the model steps natively
+        (``fused_decode``), one native call per ``MAX_ROWS`` tokens instead: decode rows
+        first, prompt chunks after them, a chunk cut where a call is full (its rest goes
+        in the next call, which starts where this one's prefill ended)."""
+        if getattr(self.model, "decode_step", None) is None:
             self._packed(plan)
+            return
+        for group in native_groups(plan, fused_decode.MAX_ROWS):
+            self._packed(group)
 
     def _packed(self, plan: list[tuple[Request, int]]) -> None:
         """One forward of a packed batch: a decode row is its last token, a prefill chunk
@@ -437,3 +436,23 @@ def check_knobs(max_batch: int, max_queue: int, prefill_chunk: int, max_batch_to
                          "budget, and a joining prompt needs what is left")
     if prefix_cache_tokens < 0:
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {prefix_cache_tokens}")
+
+
+def native_groups(plan: list[tuple[Request, int]], cap: int) -> list[list[tuple[Request, int]]]:
+    """``plan`` in groups of at most ``cap`` tokens, decode rows (a request whose prompt
+    is in) first; a prompt chunk that does not fit is cut, its rest opening the next
+    group. Groups run in order, so a cut chunk's second part follows its first."""
+    ordered = sorted(plan, key=lambda rn: rn[0].prefilled < len(rn[0].prompt))
+    groups: list[list[tuple[Request, int]]] = [[]]
+    room = cap
+    for r, n in ordered:
+        while n > 0:
+            if room == 0:
+                groups.append([])
+                room = cap
+            take = min(n, room)
+            groups[-1].append((r, take))
+            n -= take
+            room -= take
+    return [g for g in groups if g]
+

@@ -140,16 +140,18 @@ class RaggedView:
         return y
 
     def decode_rows(self, b: int, t: int) -> DecodeRows | None:
-        """A packed step of decode tokens alone ([1, N] ids, every segment one token):
-        each writes its slot's next column and sees the slot's columns before it."""
-        if b != 1 or self.chunks or t != self.n or not self.n:
+        """The packed step as rows of one token ([1, N] ids): token i of a segment writes
+        its slot's column L + i (L the slot's length) and sees the slot's columns up to
+        it, so a prompt chunk is rows of one slot at consecutive columns (the native step
+        writes every row's key before any row attends)."""
+        if b != 1 or t != self.n or not self.n:
             return None
-        slots = [s for s, _ in self.segments]
         lens = self.cache.lengths
-        if max(lens[s] for s in slots) >= self.cache.capacity:
+        if max(lens[s] + n for s, n in self.segments) > self.cache.capacity:
             self.positions(t)  # raises: a slot is full
-        return DecodeRows(self.cache, torch.tensor(slots), torch.zeros(t, dtype=torch.long),
-                          torch.tensor([lens[s] for s in slots]), None)
+        slot = torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in self.segments])
+        col = torch.cat([torch.arange(lens[s], lens[s] + n) for s, n in self.segments])
+        return DecodeRows(self.cache, slot, torch.zeros(t, dtype=torch.long), col, None)
 
     def advance(self, t: int) -> None:
         self._check(t)
