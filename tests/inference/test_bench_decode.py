@@ -80,7 +80,14 @@ def test_bench_decode_tiny(tmp_path):
         torch.set_num_threads(threads)
     res = json.loads(out.read_text())
     assert res["bandwidth"]["best_gb_s"] > 0 and res["isa"]
+    # a probe before the run and one after the config; floors at the fastest of them
+    assert len(res["bandwidth_probes_gb_s"]) == 2
+    assert res["floor_gb_s"] == max(res["bandwidth_probes_gb_s"])
     tiny = res["configs"]["tiny"]
+    fp32 = tiny["floors"]["moebit_fp32"]
+    assert fp32["floor_ms"] == pytest.approx(1e3 * fp32["weight_bytes"] / (res["floor_gb_s"] * 1e9),
+                                             abs=1e-3)
+    assert tiny["b1"]["moebit_fp32"]["floor_ms"] == fp32["floor_ms"]
     assert tiny["floors"]["moebit_fp32"]["weight_bytes"] == 462336  # the hand count above
     b1, b2 = tiny["b1"], tiny["b2"]
     variants = {"moebit_fp32", "moebit_int8", "moebit_int4", "moebit_int8_all", "moebit_int4_all"}

@@ -11,9 +11,10 @@ and ``int8_all`` / ``int4_all``: the dense projections (attention, head) quantiz
 by activations rounded to 8 bits per 32 (``--activations int8``),
 and decodes greedily from a ``--prompt``-token prompt for ``--new-tokens`` tokens at each
 ``--batch``, all on ``--threads`` threads. It measures the machine's streaming read rate
-with those threads (``decode_floor.read_bandwidth``) and prints every variant's ms per
-decode step against its floor: the bytes of weights one token reads in that variant's
-formats (``decode_floor.weight_bytes``) over that rate.
+with those threads (``decode_floor.read_bandwidth``) before the run and after each
+configuration, and prints every variant's ms per decode step against its floor: the bytes
+of weights one token reads in that variant's formats (``decode_floor.weight_bytes``) over
+the fastest of those rates.
 
 Peers, on the same weights, timed interleaved with moebit rep by rep (a busy host slows
 all alike):
@@ -241,7 +242,8 @@ def _rows(timed: dict[str, Any], floor: dict[str, dict[str, float]], b: int) -> 
     ms, toks = timed["ms"], timed["tokens"]
     rows: dict[str, Any] = {}
     for k, v in ms.items():
-        row: dict[str, Any] = {"ms_per_step": v, "tokens_per_s": round(1e3 * b / v, 1)}
+        row: dict[str, Any] = {"variant": k, "ms_per_step": v,
+                               "tokens_per_s": round(1e3 * b / v, 1)}
         sch = floor.get(_scheme_of(k))
         if sch is not None and b == 1:  # the floor counts one token's k experts
             row["floor_ms"] = sch["floor_ms"]
@@ -259,10 +261,26 @@ def _rows(timed: dict[str, Any], floor: dict[str, dict[str, float]], b: int) -> 
     return rows
 
 
+def refloor(res: dict[str, Any], gb_s: float) -> None:
+    """Every floor at ``gb_s``: the fastest of the read probes (before the run and after
+    each configuration). A host's bandwidth moves over minutes; a floor from a slow
+    moment would flatter every row, so the ratio is taken against the best rate seen."""
+    res["floor_gb_s"] = gb_s
+    for c in res["configs"].values():
+        for f in c["floors"].values():
+            f["floor_ms"] = round(fl.floor_ms(f["weight_bytes"], gb_s), 3)
+        for row in c.get("b1", {}).values():
+            if "floor_ms" in row:
+                row["floor_ms"] = c["floors"][_scheme_of(row["variant"])]["floor_ms"]
+                row["x_floor"] = round(row["ms_per_step"] / row["floor_ms"], 2)
+
+
 def table(res: dict[str, Any]) -> str:
     """The human-readable summary: one line per (config, batch, variant)."""
-    lines = [f"read bandwidth {res['bandwidth']['best_gb_s']} GB/s before, "
-             f"{res['bandwidth_after']['best_gb_s']} after ({res['threads']} threads; load "
+    probes = " / ".join(str(x) for x in res.get("bandwidth_probes_gb_s", []))
+    lines = [f"floors at {res.get('floor_gb_s', res['bandwidth']['best_gb_s'])} GB/s, the "
+             f"fastest read probe ({probes}: before, after each config); "
+             f"({res['threads']} threads; load "
              f"{res['loadavg_before'][0]:.1f} / {res['loadavg_after'][0]:.1f}); "
              f"{res['cpu']} ({res['isa']})",
              f"{'config':6} {'batch':>5} {'variant':16} {'ms/step':>9} {'tok/s':>8} "
@@ -310,10 +328,14 @@ def main(argv: list[str]) -> int:
                            "cpu": cpu_model() or platform.processor(), "isa": select_isa(),
                            "threads": args.threads, "bandwidth": bw,
                            "loadavg_before": os.getloadavg(), "configs": {}}
+    probes = [bw]
     with tempfile.TemporaryDirectory(prefix="moebit-bench-decode-", dir=args.workdir) as tmp:
         for name in args.configs:
             res["configs"][name] = run_config(name, args, bw["best_gb_s"], Path(tmp))
-    res["bandwidth_after"] = fl.read_bandwidth(args.threads, args.bandwidth_mb)
+            probes.append(fl.read_bandwidth(args.threads, args.bandwidth_mb))
+    res["bandwidth_after"] = probes[-1]
+    res["bandwidth_probes_gb_s"] = [p["best_gb_s"] for p in probes]
+    refloor(res, max(res["bandwidth_probes_gb_s"]))
     res["loadavg_after"] = os.getloadavg()
     print(table(res))
     print(json.dumps(res, indent=1))
