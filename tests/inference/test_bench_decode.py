@@ -82,7 +82,8 @@ def test_bench_decode_tiny(tmp_path):
     assert res["bandwidth"]["best_gb_s"] > 0 and res["isa"]
     # a probe before the run and one after the config; floors at the fastest of them
     assert len(res["bandwidth_probes_gb_s"]) == 2
-    assert res["floor_gb_s"] == max(res["bandwidth_probes_gb_s"])
+    assert res["floor_gb_s"] == max(*res["bandwidth_probes_gb_s"], res["rows_best_gb_s"])
+    assert min(r["x_floor"] for r in res["configs"]["tiny"]["b1"].values()) >= 0.99
     tiny = res["configs"]["tiny"]
     fp32 = tiny["floors"]["moebit_fp32"]
     assert fp32["floor_ms"] == pytest.approx(1e3 * fp32["weight_bytes"] / (res["floor_gb_s"] * 1e9),
