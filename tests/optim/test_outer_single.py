@@ -220,13 +220,13 @@ def test_fragments_balance_elements_not_block_counts():
 
 
 def test_even_fragments_cover_every_element_once_in_equal_runs():
-    from moebit.optim.outer_params import EVEN_ALIGN, split_fragments
+    from moebit.optim.outer_params import BLOCK_ALIGN, split_fragments
 
     blocks = [[torch.zeros(n)] for n in (4000, 20000, 20000, 20000, 20000, 100)]
     parts = split_fragments(blocks, 4, cut="even")
     sizes = [sum(pc.hi - pc.lo for pc in f) for f in parts]
     total = sum(sizes)
-    assert total == 84100 and max(sizes) - total / 4 <= EVEN_ALIGN / 2
+    assert total == 84100 and max(sizes) - total / 4 <= BLOCK_ALIGN / 2
     seen = {id(b[0]): torch.zeros(b[0].numel(), dtype=torch.int64) for b in blocks}
     for f in parts:
         for pc in f:

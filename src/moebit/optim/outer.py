@@ -22,8 +22,9 @@ Pseudo-gradients may travel in bf16, int8 (INTELLECT-1) or 1 bit with error feed
 Sharded parameters (FSDP2 inside each node, INTELLECT-1's layout): a DTensor parameter is
 synced through its local shard (``to_local()``), so theta_sync, the momentum and the error
 buffers hold this rank's shards only, 1/node of a replica; the outer group pairs the ranks
-that hold the same shard on every node. Fragments are still cut by whole parameters (their
-global sizes), so every rank of a node syncs its shards of the same blocks at the same step.
+that hold the same shard on every node. Fragments cut by blocks are balanced by the
+parameters' global sizes, so every rank of a node syncs its shards of the same blocks at
+the same step; the even cut runs over each rank's own shards.
 
 A node's ranks hold the same dense replica (``outer_group=node`` without sharding). Given
 their ``share`` group, each exchanges only its 1/L slice of a fragment's dense
@@ -57,6 +58,7 @@ from moebit.comm.quantize import DEFAULT_BLOCK
 from moebit.optim.base import tensors_in
 from moebit.optim.outer_compress import make_exchange
 from moebit.optim.outer_params import (
+    BLOCK_ALIGN,
     Blocks,
     OuterSettings,
     Piece,
@@ -284,7 +286,7 @@ class OuterOptimizer:
             return self.exchange.average(flat, name)
         n, parts, me = flat.numel(), self.share.size(), self.share.rank()
         size = -(-n // parts)
-        size = -(-size // _SLICE_ALIGN) * _SLICE_ALIGN
+        size = -(-size // BLOCK_ALIGN) * BLOCK_ALIGN
         lo, hi = min(me * size, n), min((me + 1) * size, n)
         mine = torch.zeros(size, dtype=torch.float32, device=flat.device)
         if hi > lo:  # the same on the whole outer group: its ranks hold the same slice
@@ -412,9 +414,6 @@ class OuterOptimizer:
         for t in tensors_in(self.exchange.state_dict()):
             total += t.numel() * t.element_size()
         return total
-
-
-_SLICE_ALIGN = 256  # elements: slices hold whole blocks of the default int8 and 1-bit scales
 
 
 def _outer_bytes() -> int:

@@ -12,16 +12,19 @@ import torch.distributed as dist
 from torch import nn
 
 from moebit.comm import collectives
+from moebit.comm.quantize import DEFAULT_BLOCK
 from moebit.optim.base import check_range, check_step_arg
 from moebit.optim.outer_compress import COMPRESSIONS
 
-__all__ = ["FRAGMENT_CUTS", "Blocks", "OuterSettings", "Piece", "check_inner", "marked_expert",
+__all__ = ["BLOCK_ALIGN", "FRAGMENT_CUTS", "Blocks", "OuterSettings", "Piece", "check_inner", "marked_expert",
            "module_blocks", "split_fragments"]
 
 # blocks: fragments of whole consecutive blocks (the paper's layers); even: equal runs of
 # elements (a fragment may end inside a matrix), so the largest is 1/F of the model.
 FRAGMENT_CUTS = ("blocks", "even")
-EVEN_ALIGN = 256  # elements: even fragments end on whole blocks of the default scales
+# elements: even fragments and a node's slices of an exchange end on whole blocks of the
+# default int8 and 1-bit scales, so cutting an exchange does not move its scales
+BLOCK_ALIGN = DEFAULT_BLOCK
 
 @dataclass(frozen=True)
 class OuterSettings:
@@ -119,7 +122,7 @@ def split_fragments(blocks: list[list[torch.Tensor]], fragments: int, cut: str =
     as possible (a sync's peak traffic is its largest fragment; balanced by the parameters'
     global sizes, so every rank of a sharded node syncs the same blocks at the same step).
     ``cut="even"``: the parameters' held elements (``held(p)``: the local shard) end to end,
-    cut into equal runs on multiples of ``EVEN_ALIGN``: the largest fragment is 1/F of the
+    cut into equal runs on multiples of ``BLOCK_ALIGN``: the largest fragment is 1/F of the
     model, whatever its blocks.
     """
     if cut == "even":
@@ -137,11 +140,11 @@ def even_fragments(params: list[torch.Tensor], fragments: int,
     """The ``cut="even"`` fragments of ``split_fragments``."""
     sizes = [held(p).numel() for p in params]
     total = sum(sizes)
-    bounds = [min(total, round(i * total / fragments / EVEN_ALIGN) * EVEN_ALIGN)
+    bounds = [min(total, round(i * total / fragments / BLOCK_ALIGN) * BLOCK_ALIGN)
               for i in range(fragments)] + [total]
     if any(hi <= lo for lo, hi in zip(bounds, bounds[1:], strict=False)):
         raise ValueError(f"invalid outer_fragments {fragments}: {total} elements cannot make "
-                         f"{fragments} fragments of whole runs of {EVEN_ALIGN}")
+                         f"{fragments} fragments of whole runs of {BLOCK_ALIGN}")
     out: list[list[Piece]] = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         frag, start = [], 0
