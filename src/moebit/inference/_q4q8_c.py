@@ -18,6 +18,7 @@ pairs in that order (``quant8``); a 512-bit pass puts two pairs side by side.
 
 SOURCE = r"""
 #include <math.h>
+
 #include <stdint.h>
 
 /* an activation matrix [R, kp] as a product reads it: float32, and with act8 its 8-bit
@@ -105,6 +106,8 @@ static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, cons
         const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         __m512 accz = _mm512_setzero_ps();
         for (; g + 4 <= G; g += 4) {
+            PREFETCH(qc + g * 16);
+            if (!(g & 12)) PREFETCH_AT(sc + g, PF_W / 4);
             const __m512i v = _mm512_loadu_si512((const void *)(qc + g * 16));
             const int8_t *xp = xq + g * 32;
             const __m512i xlo = _mm512_inserti64x4(
@@ -124,6 +127,8 @@ static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, cons
 #endif
     /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
     for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
+        PREFETCH(qc + g * 16);
+        if (!(g & 14)) PREFETCH_AT(sc + g, PF_W / 4);
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + g * 16));
         const __m256i dlo = dot_u4s8(_mm256_and_si256(v, m4),
                                      _mm256_loadu_si256((const __m256i *)(xq + g * 32)));

@@ -35,6 +35,20 @@ SOURCE = r"""
 
 #define RT 8 /* activation rows per pass over a weight row */
 
+/* Software prefetch of the weight streams, PF_W bytes ahead (the scales' stream a
+   proportionate distance): one thread streaming packed weights with loads alone keeps
+   too few cache misses in flight to reach the core's read rate. A fixed distance of a
+   few KB, not a host's tuning: the products read every stream strictly forward. */
+#ifndef PF_W
+#define PF_W 4096
+#endif
+#if defined(__GNUC__)
+#define PREFETCH_AT(p, d) __builtin_prefetch((const char *)(p) + (d), 0, 3)
+#else
+#define PREFETCH_AT(p, d) ((void)0)
+#endif
+#define PREFETCH(p) PREFETCH_AT(p, PF_W)
+
 int qg_isa(void) {
 #if defined(__AVX512F__)
     return 2;
@@ -57,8 +71,10 @@ static inline __attribute__((always_inline)) void col(
     for (int64_t g = 0, k = 0; k < Kp; g++) {
         const __m512 sv = _mm512_set1_ps(s[g]), off = _mm512_set1_ps(-8.0f * s[g]);
         const int64_t k1 = k + group;
+        PREFETCH_AT(s + g, PF_W / 8);
         for (; k + 32 <= k1; k += 32) {
             __m512 w0, w1;
+            PREFETCH(q + (bits == 8 ? k : k / 2));
             if (bits == 8) {
                 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                          _mm_loadu_si128((const __m128i *)(q + k)))), sv);
@@ -105,8 +121,10 @@ static inline __attribute__((always_inline)) void col_prescaled(
     for (int64_t g = 0, k = 0; k < Kp; g++) {
         const __m256 sv = _mm256_set1_ps(s[g]), off = _mm256_set1_ps(-8.0f * s[g]);
         const int64_t k1 = k + group;
+        PREFETCH_AT(s + g, PF_W / 8);
         for (; k + 32 <= k1; k += 32) {
             __m256 w[4];
+            PREFETCH(q + (bits == 8 ? k : k / 2));
             if (bits == 8) {
                 for (int j = 0; j < 4; j++)
                     w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -172,8 +190,10 @@ static inline __attribute__((always_inline)) void col_grouped(
         const int64_t k1 = k + group;
         for (int r = 0; r < rt; r++)
             for (int a = 0; a < na; a++) ga[r][a] = _mm256_setzero_ps();
+        PREFETCH_AT(s + g, PF_W / 8);
         for (; k + 32 <= k1; k += 32) {
             __m256 w[4];
+            PREFETCH(q + (bits == 8 ? k : k / 2));
             unpack32(bits, q, k, w);
             for (int r = 0; r < rt; r++) {
                 const float *xr = x + r * Kp + k;
