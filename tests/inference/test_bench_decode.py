@@ -96,6 +96,7 @@ def test_bench_decode_tiny(tmp_path):
     assert set(b1) == {"transformers", *variants, *(v + "_modules" for v in variants)}
     # 8-bit activation blocks of 32 do not fit tiny's head_dim of 16: named, not timed
     assert "head_dim" in tiny["skipped"]["moebit_int4_all_a8"]
+    assert "head_dim" in tiny["skipped"]["moebit_int8_all_a8"]
     assert b1["moebit_int8_modules"]["floor_ms"] == b1["moebit_int8"]["floor_ms"]
     # float32 both ways: the native step's greedy text is the modules'
     assert b1["moebit_fp32_modules"]["agree_with_moebit_fp32"]["prefix"] == 4

@@ -316,35 +316,42 @@ def test_calls_cut_at_max_rows_give_the_same_text(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("isa", supported_isas())
-def test_int4_on_8bit_activations_is_the_exact_product_of_the_rounded_blocks(isa: str) -> None:
-    """The int4 x int8-activation product (integer dot products per block of 32) equals,
-    to float rounding, the product of the dequantized weights and the activations
-    rounded to 8 bits per block (d = max|x| / 127, round half to even)."""
-    import ctypes  # noqa: F401 - the library's functions take raw pointers
-
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 0)])
+def test_8bit_activations_give_the_exact_product_of_the_rounded_blocks(
+        isa: str, bits: int, group: int) -> None:
+    """The int4 / int8 x int8-activation products (integer dot products per block of 32;
+    int8 weights with scales per 32 or per channel) equal, to float rounding, the product
+    of the dequantized weights and the activations rounded to 8 bits per block (d =
+    max|x| / 127, round half to even). The shapes mix every pass: four blocks, two, one."""
     from moebit.inference import qgemv
 
     lib = fused_decode._fused_c.load(isa)
     torch.manual_seed(0)
-    for r, n, k in ((1, 48, 64), (3, 40, 96), (6, 17, 128), (2, 33, 224), (1, 20, 288)):
-        qw = qgemv.quantize_weight(torch.randn(n, k), 4, 32)
+    for r, n, k in ((1, 48, 64), (3, 40, 96), (6, 17, 128), (2, 33, 224), (1, 20, 288), (2, 9, 32)):
+        qw = qgemv.quantize_weight(torch.randn(n, k), bits, group)
         x = torch.randn(r, k)
         x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
         y = torch.empty(r, n)
         xq, xd, xc = torch.empty(r * k, dtype=torch.int8), torch.empty(r * k // 32), torch.empty(r * k // 32)
-        lib.fd_q4q8(qw.q.data_ptr(), qw.s.data_ptr(), x.data_ptr(), r, n, k, xq.data_ptr(),
-                    xd.data_ptr(), xc.data_ptr(), y.data_ptr())
+        s = qw.s.contiguous()
+        if bits == 4:
+            lib.fd_q4q8(qw.q.data_ptr(), s.data_ptr(), x.data_ptr(), r, n, k, xq.data_ptr(),
+                        xd.data_ptr(), xc.data_ptr(), y.data_ptr())
+        else:
+            lib.fd_q8q8(qw.q.data_ptr(), s.data_ptr(), int(group == 0), x.data_ptr(), r, n, k,
+                        xq.data_ptr(), xd.data_ptr(), xc.data_ptr(), y.data_ptr())
         xb = x.reshape(r, k // 32, 32)
         d = xb.abs().amax(-1, keepdim=True) / 127
         xr = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(r, k)
         want = xr.double() @ qgemv.dequantize_weight(qw).double().t()
-        torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(y.double(), want, atol=5e-5, rtol=1e-5)
         # and the rounding itself: each activation within half its block's step
         assert ((xr - x).abs() <= d.repeat_interleave(32, 1).reshape(r, k) / 2 + 1e-7).all()
 
 
-def test_int8_activations_stay_close_and_are_asked_for() -> None:
-    m = make("mixtral", 4, num_attention_heads=1, num_key_value_heads=1)  # head_dim 64
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_stay_close_and_are_asked_for(bits: int) -> None:
+    m = make("mixtral", bits, num_attention_heads=1, num_key_value_heads=1)  # head_dim 64
     ps = prompts(3)
     assert fused_decode.attach(m) is not None and not m.decode_step.int8_activations
     ref = two_steps(m, ps)
@@ -353,15 +360,27 @@ def test_int8_activations_stay_close_and_are_asked_for() -> None:
     rel = (got - ref).norm() / ref.norm()
     assert 0 < rel < 0.03  # rounded activations: close, not equal
     assert fused_decode.attach(m, auto=True).int8_activations  # kept by generate's attach
+
+
+def test_int8_activations_name_the_weights_they_cannot_meet() -> None:
+    from moebit.inference.quantize import quantize_experts_
+
     f32 = make("mixtral", num_attention_heads=1, num_key_value_heads=1)  # float: no use
     assert fused_decode.attach(f32, int8_activations=True) is None
-    assert "no int4 weight" in f32.decode_step_reason
+    assert "no int4 or int8 weight" in f32.decode_step_reason
+    g64 = make("mixtral", num_attention_heads=1, num_key_value_heads=1, intermediate_size=128)
+    quantize_experts_(g64, bits=8, group=64)
+    assert fused_decode.attach(g64, int8_activations=True) is None
+    assert "groups of 32 or one scale per output channel" in g64.decode_step_reason
+    g32 = make("mixtral", num_attention_heads=1, num_key_value_heads=1)
+    quantize_experts_(g32, bits=8, group=32)  # Q8_0's blocks: served
+    assert fused_decode.attach(g32, int8_activations=True) is not None, g32.decode_step_reason
 
 
 def test_generate_cli_takes_int8_activations_and_names_what_they_need(tmp_path) -> None:
-    """``moebit generate FOLDER --quantize int4 --activations int8`` decodes a real
-    transformers-written folder on the native step; without int4 weights the flag is a
-    one-line error before anything loads."""
+    """``moebit generate FOLDER --quantize int4|int8 --activations int8`` decodes a real
+    transformers-written folder on the native step; without quantized weights the flag
+    is a one-line error before anything loads."""
     import json
     import os
     import subprocess
@@ -387,8 +406,11 @@ def test_generate_cli_takes_int8_activations_and_names_what_they_need(tmp_path) 
     assert r.stdout.startswith("def ")
     assert json.loads(r.stderr.strip().splitlines()[-1])["activations"] == "int8"
     r = gen("--quantize", "int8", "--activations", "int8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("def ")
+    r = gen("--activations", "int8")
     assert r.returncode != 0
-    assert "--activations int8 rounds the activations int4 weights meet" in r.stderr
+    assert "--activations int8 rounds the activations quantized weights meet" in r.stderr
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},

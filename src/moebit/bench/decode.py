@@ -7,8 +7,8 @@ For each configuration this builds a random Mixtral-style Hugging Face folder wi
 transformers (byte vocabulary, routers given a realistic spread), loads the very same
 weights into moebit in float32, int8 experts and int4 experts (``--quantize``'s formats)
 and ``int8_all`` / ``int4_all``: the dense projections (attention, head) quantized too
-(``moebit.inference.quantize_dense``), ``int4_all_a8``: the same int4 weights multiplied
-by activations rounded to 8 bits per 32 (``--activations int8``),
+(``moebit.inference.quantize_dense``), ``int8_all_a8`` / ``int4_all_a8``: the same int8
+/ int4 weights multiplied by activations rounded to 8 bits per 32 (``--activations int8``),
 and decodes greedily from a ``--prompt``-token prompt for ``--new-tokens`` tokens at each
 ``--batch``, all on ``--threads`` threads. It measures the machine's streaming read rate
 with those threads (``decode_floor.read_bandwidth``) before the run and after each
@@ -66,10 +66,11 @@ CONFIGS: dict[str, dict[str, int]] = {
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4),
 }
 # variant -> (expert bits, dense projections quantized too, 8-bit activations for the int4
-# products); "_all": attention and head too; "_a8": llama.cpp's Q4_0 x Q8_0 arithmetic
+# products); "_all": attention and head too; "_a8": llama.cpp's Q8_0 / Q4_0 x Q8_0 arithmetic
 MOEBIT_VARIANTS = {"fp32": (None, False, False), "int8": (8, False, False),
                    "int4": (4, False, False), "int8_all": (8, True, False),
-                   "int4_all": (4, True, False), "int4_all_a8": (4, True, True)}
+                   "int4_all": (4, True, False), "int8_all_a8": (8, True, True),
+                   "int4_all_a8": (4, True, True)}
 A8 = "_a8"
 
 
@@ -255,7 +256,8 @@ def _rows(timed: dict[str, Any], floor: dict[str, dict[str, float]], b: int) -> 
             row["agree_with_moebit_fp32"] = agreement(toks["moebit_fp32"], toks[k])
         rows[k] = row
     for mb, peer in (("moebit_fp32", "llamacpp_F32"), ("moebit_int8", "llamacpp_Q8_0"),
-                     ("moebit_int8_all", "llamacpp_Q8_0"), ("moebit_int4", "llamacpp_Q4_0"),
+                     ("moebit_int8_all", "llamacpp_Q8_0"), ("moebit_int8_all_a8", "llamacpp_Q8_0"),
+                     ("moebit_int4", "llamacpp_Q4_0"),
                      ("moebit_int4_all", "llamacpp_Q4_0"), ("moebit_int4_all_a8", "llamacpp_Q4_0")):
         if mb in ms and peer in ms:
             rows[mb][f"tokens_per_s_vs_{peer}"] = round(ms[peer] / ms[mb], 4)

@@ -153,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                          "same weights (moebit.bench.serve_llamacpp), instead of the baselines")
     ap.add_argument("--peer-config", choices=("e8", "e64", "tiny"), default="e64",
                     help="--peer: the byte-vocabulary Mixtral both serve (bench decode's)")
-    ap.add_argument("--peer-qtypes", nargs="+", choices=("F32", "Q8_0", "Q4_0", "Q4_0_a8"),
+    ap.add_argument("--peer-qtypes", nargs="+",
+                    choices=("F32", "Q8_0", "Q4_0", "Q8_0_a8", "Q4_0_a8"),
                     default=["F32", "Q8_0"], help="--peer: GGUF types, each against moebit "
-                    "float32 / --quantize int8 / int4 (Q4_0_a8: int4 with --activations int8)")
+                    "float32 / --quantize int8 / int4 (Q8_0_a8 / Q4_0_a8: int8 / int4 with "
+                    "--activations int8)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= 2000 or min(args.clients) < 1 or args.threads < 1:

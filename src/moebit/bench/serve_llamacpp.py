@@ -46,9 +46,11 @@ from moebit.bench.serve_load import load, workload
 from moebit.testing import free_port
 
 # row -> (the GGUF type llama.cpp serves, moebit serve's flags on the same weights);
-# Q4_0_a8: moebit's int4 products on 8-bit activations, llama.cpp's own arithmetic for Q4_0
+# Q8_0_a8 / Q4_0_a8: moebit's int8 / int4 products on 8-bit activations, llama.cpp's own
+# arithmetic for Q8_0 / Q4_0
 PAIRS = {"F32": ("F32", ["--quantize", "none"]), "Q8_0": ("Q8_0", ["--quantize", "int8"]),
          "Q4_0": ("Q4_0", ["--quantize", "int4"]),
+         "Q8_0_a8": ("Q8_0", ["--quantize", "int8", "--activations", "int8"]),
          "Q4_0_a8": ("Q4_0", ["--quantize", "int4", "--activations", "int8"])}
 # llama-cpp-python's server applies a repetition penalty of 1.1 by default; plain greedy
 # decoding (moebit's) is 1.0

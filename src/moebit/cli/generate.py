@@ -63,9 +63,9 @@ def parser() -> argparse.ArgumentParser:
                     help="int8: weight-only int8 (per-output-channel scales); int4: one "
                          "scale per 32 weights; what is quantized: --quantize-scope")
     ap.add_argument("--activations", choices=("float32", "int8"), default="float32",
-                    help="int8: with --quantize int4, the native decode step multiplies the "
-                         "int4 weights by activations rounded to 8 bits per 32 (faster; "
-                         "llama.cpp's Q4_0 x Q8_0 arithmetic)")
+                    help="int8: with --quantize int4 or int8, the native decode step multiplies "
+                         "the quantized weights by activations rounded to 8 bits per 32 "
+                         "(faster; llama.cpp's Q4_0 / Q8_0 x Q8_0 arithmetic)")
     ap.add_argument("--quantize-scope", choices=SCOPES, default="all",
                     help="all: experts and the dense projections (attention, dense MLPs, "
                          "head); experts: the experts only")
@@ -109,9 +109,9 @@ def _check(args: argparse.Namespace) -> int:
         for line in window_warnings(_prompts(args), args.max_new_tokens, cfg.block_size):
             print(f"moebit generate: warning: {line}", file=sys.stderr)
     counts = family_of(cfg).pattern(cfg).expert_counts
-    if args.activations == "int8" and args.quantize != "int4":
-        raise ValueError(f"--activations int8 rounds the activations int4 weights meet: it "
-                         f"needs --quantize int4, got --quantize {args.quantize}")
+    if args.activations == "int8" and args.quantize == "none":
+        raise ValueError("--activations int8 rounds the activations quantized weights meet: "
+                         "it needs --quantize int4 or int8, got --quantize none")
     if args.quantize != "none" and args.quantize_scope == "experts" and not counts:
         raise ValueError(f"--quantize {args.quantize} --quantize-scope experts: {d} holds a "
                          f"dense model (no experts; --quantize-scope all quantizes its "

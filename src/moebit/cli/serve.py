@@ -67,9 +67,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
                     help="weight-only int8 (per-channel scales) or int4 (per 32 weights)")
     ap.add_argument("--activations", choices=("float32", "int8"), default="float32",
-                    help="int8: with --quantize int4, the native decode step multiplies the "
-                         "int4 weights by activations rounded to 8 bits per 32 (faster; "
-                         "llama.cpp's Q4_0 x Q8_0 arithmetic)")
+                    help="int8: with --quantize int4 or int8, the native decode step multiplies "
+                         "the quantized weights by activations rounded to 8 bits per 32 "
+                         "(faster; llama.cpp's Q4_0 / Q8_0 x Q8_0 arithmetic)")
     ap.add_argument("--quantize-scope", choices=SCOPES, default="all",
                     help="all: experts and the dense projections (attention, dense MLPs, "
                          "head); experts: the experts only")
@@ -112,9 +112,9 @@ def check(args: argparse.Namespace) -> int:
         cfg = model_config_of(read_manifest(d), d)
         fam = family_of(cfg)
     counts = fam.pattern(cfg).expert_counts
-    if args.activations == "int8" and args.quantize != "int4":
-        raise ValueError(f"--activations int8 rounds the activations int4 weights meet: it "
-                         f"needs --quantize int4, got --quantize {args.quantize}")
+    if args.activations == "int8" and args.quantize == "none":
+        raise ValueError("--activations int8 rounds the activations quantized weights meet: "
+                         "it needs --quantize int4 or int8, got --quantize none")
     if args.quantize != "none" and args.quantize_scope == "experts" and not counts:
         raise ValueError(f"--quantize {args.quantize} --quantize-scope experts: {d} holds a "
                          f"dense model (no experts; --quantize-scope all quantizes its "

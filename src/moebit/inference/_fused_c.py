@@ -11,7 +11,8 @@ thread (``omp single``), and an implicit barrier separates the phases. No thread
 started or joined between products.
 
 The products reuse the GEMV column loops of ``_qgemv_c`` (int8 / int4, per-group scales,
-1-16 rows, ISA dispatch by build) and ``_q4q8_c`` (int4 on 8-bit activations), and add a
+1-16 rows, ISA dispatch by build), ``_q4q8_c`` and ``_q8q8_c`` (int4 and int8 on 8-bit
+activations), and add a
 float32 one; so the weights are read in the
 very buffers ``QuantLinear`` / ``QuantExperts`` / ``nn.Linear`` hold, never copied.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import ctypes
 
 from moebit.comm._native import open_library
-from moebit.inference import _q4q8_c, _qgemv_c
+from moebit.inference import _q4q8_c, _q8q8_c, _qgemv_c
 
 STEP_SOURCE = r"""
 #include <math.h>
@@ -52,7 +53,8 @@ typedef struct {
 typedef struct {
     int64_t n_layer, d, h, hkv, dh, e, topk, f, vocab, rows_max, threads_max, tmax_max;
     int64_t renorm;        /* weights renormalised over the k chosen */
-    int64_t act8;          /* int4 weights (groups of 32) take 8-bit activations */
+    int64_t act8;          /* int4 (groups of 32) and int8 (groups of 32 or per channel)
+                              weights take 8-bit activations */
     float eps, scale, routed_scaling;
     const float *wte, *norm;
     fd_lin head;
@@ -90,13 +92,16 @@ static void cols_f(const float *w, const float *x, int64_t R, int64_t N, int64_t
 }
 
 /* columns [n0, n1) of x[R, kp] @ W^T (expert e of a stacked weight) into y[R, n]; int4
-   weights in groups of 32 read the 8-bit blocks of x where the caller made them */
+   weights in groups of 32 and int8 weights in groups of 32 or per channel read the 8-bit
+   blocks of x where the caller made them */
 static void lin_cols(const fd_lin *L, int64_t e, const fd_act *a, int64_t R, float *y,
                      int64_t n0, int64_t n1) {
     const uint8_t *w = (const uint8_t *)L->w + e * L->wstride;
     const float *s = L->s ? L->s + e * L->sstride : 0;
     const float *x = a->x;
     if (L->bits == 4 && L->group == 32 && a->q) cols_4q8(w, s, a, R, L->n, L->kp, y, n0, n1);
+    else if (L->bits == 8 && a->q && (L->group == 32 || L->group == L->kp))
+        cols_8q8((const int8_t *)w, s, L->group != 32, a, R, L->n, L->kp, y, n0, n1);
     else if (L->bits == 32) cols_f((const float *)w, x, R, L->n, L->kp, y, n0, n1);
     else if (L->bits == 8) cols_8(w, s, x, R, L->n, L->kp, L->group, y, n0, n1);
     else cols_4(w, s, x, R, L->n, L->kp, L->group, y, n0, n1);
@@ -390,7 +395,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 }
 """
 
-SOURCE = _qgemv_c.SOURCE + _q4q8_c.SOURCE + STEP_SOURCE
+SOURCE = _qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + STEP_SOURCE
 
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -422,6 +427,7 @@ class Model(ctypes.Structure):
 
 SIGNATURES = {
     "fd_q4q8": ([_VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
+    "fd_q8q8": ([_VP, _VP, _I64, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
                  _VP, _VP, _I64, _VP, ctypes.c_int, _VP, _I64], ctypes.c_int),
 }

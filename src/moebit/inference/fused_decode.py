@@ -168,16 +168,21 @@ def _check_moe(moe: MoE, what: str) -> None:
 
 def _check_int8_activations(layers: Any, m: _fused_c.Model, *widths: int) -> None:
     """8-bit activation blocks need whole blocks of 32 in every activation (pairs of
-    them in a head, which quantizes its own), and int4 weights in groups of 32 to meet
-    them (the blocks are the groups)."""
+    them in a head, which quantizes its own), and quantized weights whose scales meet
+    them: int4 in groups of 32 (the blocks are the groups), int8 in groups of 32 or
+    per output channel."""
     if any(w % 32 for w in widths) or widths[-1] % 64:
         raise Unsupported(f"int8 activations: widths {widths} (hidden, heads x head_dim, "
                           f"expert width: multiples of 32; head_dim: of 64)")
     lins = [m.head, *(getattr(ly, n) for ly in layers for n in ("q", "k", "v", "o", "up", "down"))]
-    if not any(lin.bits == 4 for lin in lins):
-        raise Unsupported("int8 activations: no int4 weight to use them (quantize with bits=4)")
+    if not any(lin.bits in (4, 8) for lin in lins):
+        raise Unsupported("int8 activations: no int4 or int8 weight to use them "
+                          "(quantize with bits=4 or 8)")
     if any(lin.bits == 4 and lin.group != 32 for lin in lins):
         raise Unsupported("int8 activations: int4 weights must have groups of 32")
+    if any(lin.bits == 8 and lin.group not in (32, lin.kp) for lin in lins):
+        raise Unsupported("int8 activations: int8 weights must have groups of 32 or one "
+                          "scale per output channel")
 
 
 class FusedDecode:
@@ -259,7 +264,7 @@ class FusedDecode:
                  "xe": rows * k * d, "hu": rows * k * 2 * f, "ha": rows * k * f,
                  "ye": rows * k * d, "sc": threads * tmax, "sw": rows * k}
         ints = {"slot_row": rows * k, "act_e": e, "act_off": e, "act_n": e, "n_act": 2}
-        if m.act8:  # 8-bit copies of the activations int4 products read, scales per 32
+        if m.act8:  # 8-bit copies of the activations quantized products read, scales per 32
             for name, size in (("xn", rows * d), ("att", rows * qn), ("xe", rows * k * d),
                                ("ha", rows * k * f)):
                 sizes[name + "d"] = sizes[name + "c"] = size // 32
@@ -377,9 +382,9 @@ def attach(model: nn.Module, isa: str | None = None, auto: bool = False,
     Idempotent: a step already attached and still current is returned as it is.
     ``auto`` (``generate_tokens``): leave a model that ``detach`` turned off as it is.
 
-    ``int8_activations``: int4 weights multiply activations rounded to 8 bits in blocks
-    of 32 (llama.cpp's Q4_0 x Q8_0), integer dot products instead of widening every
-    nibble to a float: faster, and no longer the module path's arithmetic (each
+    ``int8_activations``: int4 and int8 weights multiply activations rounded to 8 bits
+    in blocks of 32 (llama.cpp's Q4_0 / Q8_0 x Q8_0), integer dot products instead of
+    widening every weight to a float: faster, and no longer the module path's arithmetic (each
     activation moves by up to half its block's step, max|x| / 254). Off by default;
     None keeps what an attached step has."""
     if auto and getattr(model, "decode_step_off", False):
@@ -412,12 +417,12 @@ def attach(model: nn.Module, isa: str | None = None, auto: bool = False,
 
 
 def use_int8_activations(model: nn.Module) -> FusedDecode:
-    """``--activations int8``: attach the step with 8-bit activations for the int4
-    products, or a ValueError naming what stands in the way."""
+    """``--activations int8``: attach the step with 8-bit activations for the int4 and
+    int8 products, or a ValueError naming what stands in the way."""
     fused = attach(model, int8_activations=True)
     if fused is None:
-        raise ValueError(f"--activations int8 needs the native decode step with int4 "
-                         f"weights (--quantize int4): {model.decode_step_reason}")
+        raise ValueError(f"--activations int8 needs the native decode step with int4 or "
+                         f"int8 weights (--quantize int4|int8): {model.decode_step_reason}")
     return fused
 
 
