@@ -89,42 +89,15 @@ static inline __m256i dot_u4s8(__m256i u, __m256i x) {
 
 #endif
 
-/* one weight row (nibbles qc, group scales sc) against one 8-bit activation row */
-static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, const int8_t *xq,
-                             const float *xd, const float *xc) {
-    float corr = 0.0f, tot = 0.0f;
-    int64_t g = 0, j = 0;
+/* one weight row (nibbles qc, group scales sc) against one 8-bit activation row, from
+   group g on (the 256-bit passes and the portable loop; exact, no +8 correction) */
+static inline float q4q8_from(const uint8_t *qc, const float *sc, int64_t G, int64_t g,
+                              const int8_t *xq, const float *xd) {
+    float tot = 0.0f;
 #if defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    {   /* four groups a pass on 512-bit vectors: one 64-byte load of nibbles, the two
-           activation pairs' low and high halves side by side; lanes 4i..4i+3 of the
-           integer sums are group g+i's */
-        const __m512i m4z = _mm512_set1_epi8(0x0F);
-        const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        __m512 accz = _mm512_setzero_ps();
-        for (; g + 4 <= G; g += 4) {
-            PREFETCH(qc + g * 16);
-            if (!(g & 12)) PREFETCH_AT(sc + g, PF_W / 4);
-            const __m512i v = _mm512_loadu_si512((const void *)(qc + g * 16));
-            const int8_t *xp = xq + g * 32;
-            const __m512i xlo = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xp)),
-                _mm256_loadu_si256((const __m256i *)(xp + 64)), 1);
-            const __m512i xhi = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xp + 32))),
-                _mm256_loadu_si256((const __m256i *)(xp + 96)), 1);
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m4z), xlo);
-            d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4z), xhi);
-            const __m128 sw = _mm_mul_ps(_mm_loadu_ps(sc + g), _mm_loadu_ps(xd + g));
-            accz = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
-                                   _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(sw)), accz);
-        }
-        tot = _mm512_reduce_add_ps(accz);
-    }
-#endif
     /* two groups a pass: lanes 0-3 of the integer sums are group g's, 4-7 g+1's */
     for (int p = 0; g + 2 <= G; g += 2, p ^= 1) {
         PREFETCH(qc + g * 16);
@@ -147,12 +120,7 @@ static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, cons
         const __m256i d0 = dot_u4s8(u0, _mm256_loadu_si256((const __m256i *)(xq + g * 32)));
         acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc[g] * xd[g]), acc[0]);
     }
-    tot += fd_hsum8(_mm256_add_ps(acc[0], acc[1]));
-    /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
-    __m256 cv = _mm256_setzero_ps();
-    for (; j + 8 <= G; j += 8)
-        cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + j), _mm256_loadu_ps(xc + j), cv);
-    corr = fd_hsum8(cv);
+    tot = fd_hsum8(_mm256_add_ps(acc[0], acc[1]));
 #else
     for (; g + 2 <= G; g += 2) {
         int d0 = 0, d1 = 0;
@@ -172,17 +140,84 @@ static inline float q4q8_dot(const uint8_t *qc, const float *sc, int64_t G, cons
         tot += (float)d0 * sc[g] * xd[g];
     }
 #endif
-    for (; j < G; j++) corr += sc[j] * xc[j];
-    return tot - corr;
+    return tot;
+}
+
+/* one weight row against nr (1-4) activation rows r0.. of a: y[r * N] for each; the
+   weight's nibbles are loaded and unpacked once for all nr rows (on 512-bit vectors, four
+   groups a pass), each row keeps its own sums, so nr independent chains hide the latency
+   of the integer product, the conversion and the FMA */
+static inline __attribute__((always_inline)) void q4q8_rows(
+    const int nr, const uint8_t *qc, const float *sc, int64_t G, const fd_act *a, int64_t r0,
+    int64_t Kp, float *y, int64_t N) {
+    float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t g = 0;
+#if defined(__AVX2__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    {   /* four groups a pass: one 64-byte load of nibbles, each row's two activation
+           pairs' low and high halves side by side; lanes 4i..4i+3 of the integer sums are
+           group g+i's */
+        const __m512i m4z = _mm512_set1_epi8(0x0F);
+        const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        __m512 acc[4];
+        for (int j = 0; j < nr; j++) acc[j] = _mm512_setzero_ps();
+        for (; g + 4 <= G; g += 4) {
+            PREFETCH(qc + g * 16);
+            if (!(g & 12)) PREFETCH_AT(sc + g, PF_W / 4);
+            const __m512i v = _mm512_loadu_si512((const void *)(qc + g * 16));
+            const __m512i lo = _mm512_and_si512(v, m4z);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4z);
+            const __m128 sw = _mm_loadu_ps(sc + g);
+            for (int j = 0; j < nr; j++) {
+                const int8_t *xp = a->q + (r0 + j) * Kp + g * 32;
+                const __m512i xlo = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xp)),
+                    _mm256_loadu_si256((const __m256i *)(xp + 64)), 1);
+                const __m512i xhi = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xp + 32))),
+                    _mm256_loadu_si256((const __m256i *)(xp + 96)), 1);
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
+                d = _mm512_dpbusd_epi32(d, hi, xhi);
+                const __m128 s4 = _mm_mul_ps(sw, _mm_loadu_ps(a->d + (r0 + j) * (Kp / 32) + g));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
+                                         _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(s4)),
+                                         acc[j]);
+            }
+        }
+        for (int j = 0; j < nr; j++) tot[j] = _mm512_reduce_add_ps(acc[j]);
+    }
+#endif
+    for (int j = 0; j < nr; j++) {
+        const int64_t r = r0 + j, Gx = Kp / 32;
+        const float *xc = a->c + r * Gx;
+        float t = tot[j] + q4q8_from(qc, sc, G, g, a->q + r * Kp, a->d + r * Gx), corr = 0.0f;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
+        __m256 cv = _mm256_setzero_ps();
+        for (; i + 8 <= G; i += 8)
+            cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + i), _mm256_loadu_ps(xc + i), cv);
+        corr = fd_hsum8(cv);
+#endif
+        for (; i < G; i++) corr += sc[i] * xc[i];
+        y[r * N] = t - corr;
+    }
 }
 
 static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
                      int64_t Kp, float *y, int64_t n0, int64_t n1) {
     const int64_t G = Kp / 32, rowb = Kp / 2;
-    for (int64_t c = n0; c < n1; c++)
-        for (int64_t r = 0; r < R; r++)
-            y[r * N + c] = q4q8_dot(q + c * rowb, s + c * G, G, a->q + r * Kp, a->d + r * G,
-                                    a->c + r * G);
+    for (int64_t c = n0; c < n1; c++) {
+        const uint8_t *qc = q + c * rowb;
+        const float *sc = s + c * G;
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) q4q8_rows(4, qc, sc, G, a, r, Kp, y + c, N);
+        switch (R - r) {
+            case 3: q4q8_rows(3, qc, sc, G, a, r, Kp, y + c, N); break;
+            case 2: q4q8_rows(2, qc, sc, G, a, r, Kp, y + c, N); break;
+            case 1: q4q8_rows(1, qc, sc, G, a, r, Kp, y + c, N); break;
+            default: break;
+        }
+    }
 }
 
 /* y[R, N] = x[R, kp] @ W^T for int4 weights in groups of 32 on 8-bit activation blocks

@@ -30,42 +30,13 @@ static inline __m256i dot_s8s8(__m256i w, __m256i x) {
 }
 #endif
 
-/* one int8 weight row (w, scales sc: per block of 32, or sc[0] alone with pc) against one
-   8-bit activation row */
-static inline float q8q8_dot(const int8_t *w, const float *sc, int pc, int64_t G,
-                             const int8_t *xq, const float *xd, const float *xc) {
-    float tot = 0.0f, corr = 0.0f;
-    int64_t g = 0;
+/* one int8 weight row (w, scales sc: per block of 32, or none with pc) against one 8-bit
+   activation row from block g on: the 256-bit passes (sign trick) and the portable loop;
+   exact, no correction; with pc the sum is not yet scaled by the row's one scale */
+static inline float q8q8_from(const int8_t *w, const float *sc, int pc, int64_t G, int64_t g,
+                              const int8_t *xq, const float *xd) {
+    float tot = 0.0f;
 #if defined(__AVX2__)
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    {   /* four blocks a pass; lanes 0-3 and 8-11 of a product are its first block's,
-           4-7 and 12-15 its second's */
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-        const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3);
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        for (; g + 4 <= G; g += 4) {
-            PREFETCH(w + g * 32);
-            PREFETCH(w + g * 32 + 64);
-            if (!pc && !(g & 12)) PREFETCH_AT(sc + g, PF_W / 8);
-            const __m512i l0 = _mm512_loadu_si512((const void *)(w + g * 32));
-            const __m512i l1 = _mm512_loadu_si512((const void *)(w + g * 32 + 64));
-            const __m512i u0 = _mm512_xor_si512(_mm512_shuffle_i64x2(l0, l0, 0xD8), flip);
-            const __m512i u1 = _mm512_xor_si512(_mm512_shuffle_i64x2(l1, l1, 0xD8), flip);
-            const __m512i d0 = _mm512_dpbusd_epi32(
-                _mm512_setzero_si512(), u0, _mm512_loadu_si512((const void *)(xq + g * 32)));
-            const __m512i d1 = _mm512_dpbusd_epi32(
-                _mm512_setzero_si512(), u1, _mm512_loadu_si512((const void *)(xq + g * 32 + 64)));
-            __m128 s4 = _mm_loadu_ps(xd + g);
-            if (!pc) s4 = _mm_mul_ps(s4, _mm_loadu_ps(sc + g));
-            const __m512 sz = _mm512_castps128_ps512(s4);
-            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(i01, sz), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(i23, sz), acc1);
-        }
-        tot = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-        for (int64_t j = 0; j < g; j++) corr += (pc ? 16.0f : 16.0f * sc[j]) * xc[j];
-    }
-#endif
     {   /* two blocks a pass, in the pairs' order: lanes 0-3 block g's, 4-7 g+1's */
         const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         __m256 acc = _mm256_setzero_ps();
@@ -91,7 +62,7 @@ static inline float q8q8_dot(const int8_t *w, const float *sc, int pc, int64_t G
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
                                   _mm256_set1_ps(pc ? xd[g] : xd[g] * sc[g]), acc);
         }
-        tot += fd_hsum8(acc);
+        tot = fd_hsum8(acc);
     }
 #else
     for (; g + 2 <= G; g += 2) {
@@ -109,16 +80,78 @@ static inline float q8q8_dot(const int8_t *w, const float *sc, int pc, int64_t G
         tot += (float)d0 * xd[g] * (pc ? 1.0f : sc[g]);
     }
 #endif
-    return pc ? sc[0] * (tot - corr) : tot - corr;
+    return tot;
+}
+
+/* one weight row against nr (1-4) activation rows r0.. of a: y[r * N] for each; the
+   weights are loaded, reordered and flipped once for all nr rows (on 512-bit vectors,
+   four blocks a pass), each row keeps its own sums */
+static inline __attribute__((always_inline)) void q8q8_rows(
+    const int nr, const int8_t *w, const float *sc, int pc, int64_t G, const fd_act *a,
+    int64_t r0, int64_t Kp, float *y, int64_t N) {
+    float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f}, corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t g = 0;
+#if defined(__AVX2__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    {   /* lanes 0-3 and 8-11 of a product are its first block's, 4-7 and 12-15 its
+           second's; the flip's +128 comes off through c */
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+        const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3);
+        __m512 acc[4][2];
+        for (int j = 0; j < nr; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+        for (; g + 4 <= G; g += 4) {
+            PREFETCH(w + g * 32);
+            PREFETCH(w + g * 32 + 64);
+            if (!pc && !(g & 12)) PREFETCH_AT(sc + g, PF_W / 8);
+            const __m512i l0 = _mm512_loadu_si512((const void *)(w + g * 32));
+            const __m512i l1 = _mm512_loadu_si512((const void *)(w + g * 32 + 64));
+            const __m512i u0 = _mm512_xor_si512(_mm512_shuffle_i64x2(l0, l0, 0xD8), flip);
+            const __m512i u1 = _mm512_xor_si512(_mm512_shuffle_i64x2(l1, l1, 0xD8), flip);
+            const __m128 sw = pc ? _mm_set1_ps(1.0f) : _mm_loadu_ps(sc + g);
+            for (int j = 0; j < nr; j++) {
+                const int8_t *xp = a->q + (r0 + j) * Kp + g * 32;
+                const __m512i d0 = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), u0, _mm512_loadu_si512((const void *)xp));
+                const __m512i d1 = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), u1, _mm512_loadu_si512((const void *)(xp + 64)));
+                const __m512 sz = _mm512_castps128_ps512(
+                    _mm_mul_ps(sw, _mm_loadu_ps(a->d + (r0 + j) * (Kp / 32) + g)));
+                acc[j][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
+                                            _mm512_permutexvar_ps(i01, sz), acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
+                                            _mm512_permutexvar_ps(i23, sz), acc[j][1]);
+            }
+        }
+        for (int j = 0; j < nr; j++) {
+            const float *xc = a->c + (r0 + j) * (Kp / 32);
+            tot[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
+            for (int64_t i = 0; i < g; i++) corr[j] += (pc ? 16.0f : 16.0f * sc[i]) * xc[i];
+        }
+    }
+#endif
+    for (int j = 0; j < nr; j++) {
+        const int64_t r = r0 + j;
+        const float t = tot[j] - corr[j] +
+                        q8q8_from(w, sc, pc, G, g, a->q + r * Kp, a->d + r * (Kp / 32));
+        y[r * N] = pc ? sc[0] * t : t;
+    }
 }
 
 static void cols_8q8(const int8_t *q, const float *s, int pc, const fd_act *a, int64_t R,
                      int64_t N, int64_t Kp, float *y, int64_t n0, int64_t n1) {
     const int64_t G = Kp / 32, sn = pc ? 1 : G;
-    for (int64_t c = n0; c < n1; c++)
-        for (int64_t r = 0; r < R; r++)
-            y[r * N + c] = q8q8_dot(q + c * Kp, s + c * sn, pc, G, a->q + r * Kp, a->d + r * G,
-                                    a->c + r * G);
+    for (int64_t c = n0; c < n1; c++) {
+        const int8_t *wc = q + c * Kp;
+        const float *sc = s + c * sn;
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) q8q8_rows(4, wc, sc, pc, G, a, r, Kp, y + c, N);
+        switch (R - r) {
+            case 3: q8q8_rows(3, wc, sc, pc, G, a, r, Kp, y + c, N); break;
+            case 2: q8q8_rows(2, wc, sc, pc, G, a, r, Kp, y + c, N); break;
+            case 1: q8q8_rows(1, wc, sc, pc, G, a, r, Kp, y + c, N); break;
+            default: break;
+        }
+    }
 }
 
 /* y[R, N] = x[R, kp] @ W^T for int8 weights (scales per 32, or per channel with pc) on
