@@ -18,6 +18,10 @@ each get ``--threads`` torch threads (default 1); they run interleaved, rep by r
 loaded host hits all. ``--engine``, ``--max-batch-tokens`` and ``--prefix-cache-tokens``
 go to the server as they are (``--engine legacy``: the engine before ragged batching).
 
+Beside the measured ratio, each client level gets ``decode_bound`` (``serve_bound``): the
+most continuous batching could gain over static batching on this machine, replayed from
+the baseline model's decode step times at 1, 2, 4, ... rows (``step_ms_by_rows``).
+
 ``--hf`` (a random Mixtral built by transformers) or ``--run HF_DIR``: the server serves a
 Hugging Face folder, and transformers' ``generate`` on the same weights and prompts is a
 second baseline (``moebit.bench.serve_hf``).
@@ -41,7 +45,7 @@ import httpx
 import numpy as np
 import torch
 
-from moebit.bench import serve_hf
+from moebit.bench import serve_bound, serve_hf
 from moebit.bench.serve_load import load, pct, workload
 from moebit.comm._native import cpu_model, select_isa
 from moebit.comm.collectives import DistInfo
@@ -181,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run = synthetic_run(Path(tmp))
         hf = is_hf_folder(run)
-        baselines = (_hf_baselines(run, args.hf_cache, args.transformers) if hf
-                     else _moebit_baseline(run))
+        model = from_pretrained(run) if hf else load_model(run)
+        if hf:
+            model.config.block_size = 512  # the server's --context
+        baselines = (_hf_baselines(model, run, args.hf_cache, args.transformers) if hf
+                     else _moebit_baseline(model))
         flags = ["--threads", str(args.threads), "--engine", args.engine,
                  "--max-batch-tokens", str(args.max_batch_tokens),
                  "--prefix-cache-tokens", str(args.prefix_cache_tokens)]
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             out = _measure(args, url, baselines)
         finally:
             stop_server(proc)
+        _add_bounds(out, model, args)
     out["server"] = {"engine": args.engine, "max_batch_tokens": args.max_batch_tokens,
                      "prefix_cache_tokens": args.prefix_cache_tokens, "threads": args.threads}
     out["host"] = {"cpus": os.cpu_count(), "loaded": "shared with other jobs",
@@ -206,16 +214,14 @@ def main(argv: list[str] | None = None) -> int:
 Baseline = Any  # (jobs, batch) -> figures with tokens_per_s
 
 
-def _moebit_baseline(run: Path) -> dict[str, Baseline]:
-    model = load_model(run)
+def _moebit_baseline(model: GPT) -> dict[str, Baseline]:
     return {"static": lambda jobs, c: static(model, jobs, c)}
 
 
-def _hf_baselines(folder: Path, cache: str, transformers: bool = True) -> dict[str, Baseline]:
-    """Static batching through moebit and (``transformers``) transformers' generate, on the
-    folder's weights."""
-    ours = from_pretrained(folder)
-    ours.config.block_size = 512  # the server's --context
+def _hf_baselines(ours: Any, folder: Path, cache: str,
+                  transformers: bool = True) -> dict[str, Baseline]:
+    """Static batching through moebit (``ours``: the folder loaded by moebit) and
+    (``transformers``) transformers' generate, on the folder's weights."""
 
     def ids(jobs: list[tuple[str, int]]) -> tuple[list[list[int]], list[int]]:
         return serve_hf.encode_jobs(folder, jobs), [n for _, n in jobs]
@@ -226,6 +232,18 @@ def _hf_baselines(folder: Path, cache: str, transformers: bool = True) -> dict[s
         out["transformers"] = lambda jobs, c: serve_hf.transformers_generate(
             theirs, *ids(jobs), c, cache)
     return out
+
+
+def _add_bounds(out: dict[str, Any], model: Any, args: argparse.Namespace) -> None:
+    """Each client level's ``decode_bound`` (``serve_bound``): the most the server could
+    gain over static batching here, from this machine's step times at 1, 2, 4, ... rows."""
+    slots = {c: min(c, args.max_batch) for c in args.clients}
+    costs = serve_bound.step_costs(model, max(slots.values()),
+                                   getattr(model.config, "vocab_size", 256))
+    out["step_ms_by_rows"] = {str(n): round(ms, 3) for n, ms in costs.items()}
+    for c in args.clients:
+        budgets = [n for _, n in workload(min(2000, max(args.requests, 8 * c)), seed=0)]
+        out["clients"][str(c)]["decode_bound"] = serve_bound.decode_bound(budgets, c, slots[c], costs)
 
 
 def _measure(args: argparse.Namespace, url: str, baselines: dict[str, Baseline]) -> dict[str, Any]:
