@@ -349,9 +349,17 @@ def test_8bit_activations_give_the_exact_product_of_the_rounded_blocks(
         assert ((xr - x).abs() <= d.repeat_interleave(32, 1).reshape(r, k) / 2 + 1e-7).all()
 
 
+# head_dim 64, rows of 2 blocks; and rows of whole quads of blocks written in pieces (four
+# heads of 32 share one quad; an expert width of 7 blocks is quantized 2 blocks at a time)
+SHAPES = {"pairs": dict(num_attention_heads=1, num_key_value_heads=1),
+          "quads": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=224)}
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int8_activations_stay_close_and_are_asked_for(bits: int) -> None:
-    m = make("mixtral", bits, num_attention_heads=1, num_key_value_heads=1)  # head_dim 64
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_int8_activations_stay_close_and_are_asked_for(bits: int, shape: str) -> None:
+    m = make("mixtral", bits, **SHAPES[shape])
     ps = prompts(3)
     assert fused_decode.attach(m) is not None and not m.decode_step.int8_activations
     ref = two_steps(m, ps)

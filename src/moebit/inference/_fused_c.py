@@ -131,7 +131,8 @@ static void norm_rows(const fd_model *m, const float *w, int64_t R) {
     for (int64_t r = 0; r < R; r++) {
         rmsnorm(m->x + r * D, w, m->xn + r * D, D, m->eps);
         if (m->act8)
-            quant8(m->xn + r * D, D / 32, m->xnq + r * D, m->xnd + r * D / 32, m->xnc + r * D / 32);
+            quant8(m->xn + r * D, D / 32, 0, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
+                   m->xnc + r * D / 32);
     }
 }
 
@@ -143,7 +144,8 @@ static void norm_head_rows(const fd_model *m, const int64_t *hrows, int64_t nh) 
         const int64_t r = hrows ? hrows[h] : h;
         rmsnorm(m->x + r * D, m->norm, m->xn + h * D, D, m->eps);
         if (m->act8)
-            quant8(m->xn + h * D, D / 32, m->xnq + h * D, m->xnd + h * D / 32, m->xnc + h * D / 32);
+            quant8(m->xn + h * D, D / 32, 0, D / 32, m->xnq + h * D, m->xnd + h * D / 32,
+                   m->xnc + h * D / 32);
     }
 }
 
@@ -252,8 +254,9 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     for (int64_t i = 0; i < DH; i++) out[i] += p * vt[i];
                 }
                 if (m->act8) {
-                    const int64_t o0 = r * QN + hh * DH;
-                    quant8(out, DH / 32, m->attq + o0, m->attd + o0 / 32, m->attc + o0 / 32);
+                    const int64_t o0 = r * QN;  /* this head's blocks of the row */
+                    quant8(m->att + o0, QN / 32, hh * DH / 32, (hh + 1) * DH / 32, m->attq + o0,
+                           m->attd + o0 / 32, m->attc + o0 / 32);
                 }
             }
 #pragma omp for schedule(static)
@@ -338,8 +341,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 m->n_act[0] = na;
                 m->n_act[1] = ns;
             }
-            /* gate/up in blocks of UB columns: with act8 each block is one pair of 32-blocks
-               of the activation the down projection reads, quantized where it is made */
+            /* gate/up in blocks of UB columns: with act8 each block is whole 32-blocks of
+               the activation the down projection reads, quantized where it is made */
             const int64_t UB = m->act8 ? 64 : FB;
             const int64_t na = m->n_act[0], ns = m->n_act[1], bf = (F + UB - 1) / UB, bd = nblk(D);
 #pragma omp for schedule(static)
@@ -358,8 +361,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                         h[c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
                     }
                     if (m->act8) {
-                        const int64_t o0 = (off + r) * F + n0;
-                        quant8(h + n0, (n1 - n0) / 32, m->haq + o0, m->had + o0 / 32,
+                        const int64_t o0 = (off + r) * F;  /* this block's of the row */
+                        quant8(h, F / 32, n0 / 32, n1 / 32, m->haq + o0, m->had + o0 / 32,
                                m->hac + o0 / 32);
                     }
                 }

@@ -8,10 +8,10 @@ product into one integer dot product of the unsigned nibbles and the signed acti
 (AVX-512 VNNI ``vpdpbusd``, four groups per 512-bit pass; AVX2 ``vpmaddubsw`` +
 ``vpmaddwd``, which cannot saturate: 15 x 127 x 2 fits 16 bits; portable C), scaled once
 by the weight's and the block's scales. The nibbles are stored q + 8; the +8 comes off
-once per output as sum_g s_w[g] * 8 d[g] sum(q_x[g]). Two weight groups go per 256-bit
-pass: one 32-byte load holds both groups' 16 bytes, its low nibbles are the first 16
-weights of each and its high nibbles the last 16, so the activation blocks are stored in
-pairs in that order (``quant8``); a 512-bit pass puts two pairs side by side.
+once per output as sum_g s_w[g] * 8 d[g] sum(q_x[g]). One load of nibbles brings the
+first 16 weights of each of its groups in its low nibbles and the last 16 in its high
+ones, so the activation blocks are stored in that order: in quads where 512-bit VNNI
+passes take four groups at once, in pairs for the 256-bit passes (``q8_pos``).
 
 ``fd_q4q8`` runs one product, for the tests.
 """
@@ -35,15 +35,39 @@ static inline fd_act act_at(const float *x, const int8_t *q, const float *d, con
     return a;
 }
 
-/* 8-bit blocks of 32 activations, as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d);
-   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product.
-   Blocks go in pairs from the first one (a last odd block alone): a pair's 64 bytes hold
-   the first 16 of block 0, the first 16 of block 1, then the last 16 of each, the order
-   of the low and high nibbles of the two weight groups one 32-byte load brings
-   (``cols_4q8``). Callers quantize a row's blocks from its first, in even counts but
-   for the row's last. */
-static void quant8(const float *x, int64_t nblk, int8_t *q, float *d, float *c) {
-    for (int64_t b = 0; b < nblk; b++) {
+/* Where the 8-bit activation blocks lie in a row of nblk blocks. The products read a
+   block's first 16 and last 16 values apart, in the order the weights' halves come:
+   - where 512-bit VNNI passes run (QUAD8), blocks go in quads from the row's first: a
+     quad's 128 bytes hold the first 16 of each of its four blocks, then the last 16 of
+     each (the low and high nibbles of one 64-byte load of four int4 groups);
+   - the blocks after the last whole quad (all of them elsewhere) go in pairs, 64 bytes:
+     the first 16 of each, then the last 16 of each (two int4 groups in one 32-byte
+     load); a last odd block alone, in natural order.
+   The position depends only on the block's index and the row's length, so a row may be
+   quantized in any pieces, by any threads. */
+#if defined(__AVX2__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QUAD8 1
+#else
+#define QUAD8 0
+#endif
+static inline int64_t q8_whole_quads(int64_t nblk) { return QUAD8 ? nblk & ~(int64_t)3 : 0; }
+
+static inline int64_t q8_pos(int64_t b, int64_t nblk, int i) {
+    const int64_t full = q8_whole_quads(nblk), lo = i < 16 ? i : i - 16;
+    if (b < full)
+        return (b & ~(int64_t)3) * 32 + (i < 16 ? 0 : 64) + (b & 3) * 16 + lo;
+    const int64_t bl = b - full, rem = nblk - full;
+    if ((bl | 1) >= rem)  /* a last odd block */
+        return b * 32 + i;
+    return (full + (bl & ~(int64_t)1)) * 32 + (i < 16 ? 0 : 32) + (bl & 1) * 16 + lo;
+}
+
+/* blocks [b0, b1) of a row of nblk blocks of 32 activations (x its first value) to 8 bits,
+   as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d), at q8_pos in the row's q;
+   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product */
+static void quant8(const float *x, int64_t nblk, int64_t b0, int64_t b1, int8_t *q, float *d,
+                   float *c) {
+    for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) {
@@ -51,14 +75,10 @@ static void quant8(const float *x, int64_t nblk, int8_t *q, float *d, float *c) 
             amax = a > amax ? a : amax;
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const int paired = (b | 1) < nblk, second = (int)(b & 1);
-        int8_t *qb = q + (b & ~(int64_t)1) * 32;
         int sum = 0;
         for (int i = 0; i < 32; i++) {
             const int v = (int)lrintf(xb[i] * inv);
-            const int at = !paired ? (int)(b & 1) * 32 + i
-                                   : (i < 16 ? i : 16 + i) + 16 * second;
-            qb[at] = (int8_t)v;
+            q[q8_pos(b, nblk, i)] = (int8_t)v;
             sum += v;
         }
         d[b] = amax / 127.0f;
@@ -151,16 +171,16 @@ static inline __attribute__((always_inline)) void q4q8_rows(
     const int nr, const uint8_t *qc, const float *sc, int64_t G, const fd_act *a, int64_t r0,
     int64_t Kp, float *y, int64_t N) {
     float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int64_t g = 0;
 #if defined(__AVX2__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    {   /* four groups a pass: one 64-byte load of nibbles, each row's two activation
-           pairs' low and high halves side by side; lanes 4i..4i+3 of the integer sums are
-           group g+i's */
+    int64_t g = 0;
+    {   /* four groups a pass over the whole quads: one 64-byte load of nibbles, its low
+           nibbles against the quad's first 64 bytes, its high against the last 64; lanes
+           4i..4i+3 of the integer sums are group g+i's */
         const __m512i m4z = _mm512_set1_epi8(0x0F);
         const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         __m512 acc[4];
         for (int j = 0; j < nr; j++) acc[j] = _mm512_setzero_ps();
-        for (; g + 4 <= G; g += 4) {
+        for (const int64_t full = q8_whole_quads(G); g < full; g += 4) {
             PREFETCH(qc + g * 16);
             if (!(g & 12)) PREFETCH_AT(sc + g, PF_W / 4);
             const __m512i v = _mm512_loadu_si512((const void *)(qc + g * 16));
@@ -169,27 +189,38 @@ static inline __attribute__((always_inline)) void q4q8_rows(
             const __m128 sw = _mm_loadu_ps(sc + g);
             for (int j = 0; j < nr; j++) {
                 const int8_t *xp = a->q + (r0 + j) * Kp + g * 32;
-                const __m512i xlo = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xp)),
-                    _mm256_loadu_si256((const __m256i *)(xp + 64)), 1);
-                const __m512i xhi = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xp + 32))),
-                    _mm256_loadu_si256((const __m256i *)(xp + 96)), 1);
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
-                d = _mm512_dpbusd_epi32(d, hi, xhi);
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                _mm512_loadu_si512((const void *)xp));
+                d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xp + 64)));
                 const __m128 s4 = _mm_mul_ps(sw, _mm_loadu_ps(a->d + (r0 + j) * (Kp / 32) + g));
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
                                          _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(s4)),
                                          acc[j]);
             }
         }
-        for (int j = 0; j < nr; j++) tot[j] = _mm512_reduce_add_ps(acc[j]);
+        /* the nibbles' +8 over every group (sum of s_w * c, 16 groups a vector), taken off
+           the sums before their one reduction */
+        for (int j = 0; j < nr; j++) {
+            const float *xc = a->c + (r0 + j) * (Kp / 32);
+            __m512 cv = _mm512_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= G; i += 16)
+                cv = _mm512_fmadd_ps(_mm512_loadu_ps(sc + i), _mm512_loadu_ps(xc + i), cv);
+            float rest = 0.0f;
+            for (; i < G; i++) rest += sc[i] * xc[i];
+            tot[j] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[j], cv)) - rest;
+        }
     }
-#endif
+    for (int j = 0; j < nr && g < G; j++) {
+        const int64_t r = r0 + j;
+        tot[j] += q4q8_from(qc, sc, G, g, a->q + r * Kp, a->d + r * (Kp / 32));
+    }
+    for (int j = 0; j < nr; j++) y[(r0 + j) * N] = tot[j];
+#else
     for (int j = 0; j < nr; j++) {
         const int64_t r = r0 + j, Gx = Kp / 32;
         const float *xc = a->c + r * Gx;
-        float t = tot[j] + q4q8_from(qc, sc, G, g, a->q + r * Kp, a->d + r * Gx), corr = 0.0f;
+        float t = q4q8_from(qc, sc, G, 0, a->q + r * Kp, a->d + r * Gx), corr = 0.0f;
         int64_t i = 0;
 #if defined(__AVX2__)
         /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
@@ -201,6 +232,7 @@ static inline __attribute__((always_inline)) void q4q8_rows(
         for (; i < G; i++) corr += sc[i] * xc[i];
         y[r * N] = t - corr;
     }
+#endif
 }
 
 static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,
@@ -225,7 +257,7 @@ static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t 
 void fd_q4q8(const uint8_t *q, const float *s, const float *x, int64_t R, int64_t N,
              int64_t Kp, int8_t *xq, float *xd, float *xc, float *y) {
     for (int64_t r = 0; r < R; r++)
-        quant8(x + r * Kp, Kp / 32, xq + r * Kp, xd + r * Kp / 32, xc + r * Kp / 32);
+        quant8(x + r * Kp, Kp / 32, 0, Kp / 32, xq + r * Kp, xd + r * Kp / 32, xc + r * Kp / 32);
     const fd_act a = {x, xq, xd, xc};
     cols_4q8(q, s, &a, R, N, Kp, y, 0, N);
 }

@@ -12,9 +12,9 @@ output through the activation blocks' sums, ``quant8``'s c = 8 d sum(q) times 16
 256-bit passes instead take llama.cpp's sign trick (|x| times w with x's sign), which is
 exact with no correction and which ``vpmaddubsw`` cannot saturate: 127 x 127 x 2 fits 16
 bits (weights are quantized to [-127, 127]). Weights are in natural order; the
-activation blocks are stored in ``quant8``'s pairs (the first 16 of two blocks, then the
-last 16 of each), so a 64-byte load of two weight blocks is put in that order (16-byte
-lanes 0, 2, 1, 3) before the product.
+activation blocks are stored as ``_q4q8_c.q8_pos`` lays them out (the first 16 of each
+block of a quad or pair, then the last 16 of each), so the weights' 16-byte lanes are
+shuffled into that order before the product.
 
 Scales: one per 32 weights (group 32) or one per output channel (``pc``: the block
 products are summed with the activation scales only and scaled once at the end).
@@ -92,47 +92,53 @@ static inline __attribute__((always_inline)) void q8q8_rows(
     float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f}, corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int64_t g = 0;
 #if defined(__AVX2__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    {   /* lanes 0-3 and 8-11 of a product are its first block's, 4-7 and 12-15 its
-           second's; the flip's +128 comes off through c */
+    {   /* four blocks a pass over the whole quads: the weights' first 16 of each block
+           (16-byte lanes 0 and 2 of both loads) against the quad's first 64 bytes, their
+           last 16 against the last 64; lanes 4i..4i+3 of the sums are block g+i's; the
+           flip's +128 comes off through c */
         const __m512i flip = _mm512_set1_epi8((char)0x80);
-        const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-        const __m512i i23 = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3);
-        __m512 acc[4][2];
-        for (int j = 0; j < nr; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
-        for (; g + 4 <= G; g += 4) {
+        const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        __m512 acc[4];
+        for (int j = 0; j < nr; j++) acc[j] = _mm512_setzero_ps();
+        for (const int64_t full = q8_whole_quads(G); g < full; g += 4) {
             PREFETCH(w + g * 32);
             PREFETCH(w + g * 32 + 64);
             if (!pc && !(g & 12)) PREFETCH_AT(sc + g, PF_W / 8);
             const __m512i l0 = _mm512_loadu_si512((const void *)(w + g * 32));
             const __m512i l1 = _mm512_loadu_si512((const void *)(w + g * 32 + 64));
-            const __m512i u0 = _mm512_xor_si512(_mm512_shuffle_i64x2(l0, l0, 0xD8), flip);
-            const __m512i u1 = _mm512_xor_si512(_mm512_shuffle_i64x2(l1, l1, 0xD8), flip);
+            const __m512i ua = _mm512_xor_si512(_mm512_shuffle_i64x2(l0, l1, 0x88), flip);
+            const __m512i ub = _mm512_xor_si512(_mm512_shuffle_i64x2(l0, l1, 0xDD), flip);
             const __m128 sw = pc ? _mm_set1_ps(1.0f) : _mm_loadu_ps(sc + g);
             for (int j = 0; j < nr; j++) {
                 const int8_t *xp = a->q + (r0 + j) * Kp + g * 32;
-                const __m512i d0 = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), u0, _mm512_loadu_si512((const void *)xp));
-                const __m512i d1 = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), u1, _mm512_loadu_si512((const void *)(xp + 64)));
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ua,
+                                                _mm512_loadu_si512((const void *)xp));
+                d = _mm512_dpbusd_epi32(d, ub, _mm512_loadu_si512((const void *)(xp + 64)));
                 const __m512 sz = _mm512_castps128_ps512(
                     _mm_mul_ps(sw, _mm_loadu_ps(a->d + (r0 + j) * (Kp / 32) + g)));
-                acc[j][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
-                                            _mm512_permutexvar_ps(i01, sz), acc[j][0]);
-                acc[j][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
-                                            _mm512_permutexvar_ps(i23, sz), acc[j][1]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(quad, sz),
+                                         acc[j]);
             }
         }
-        for (int j = 0; j < nr; j++) {
+        for (int j = 0; j < nr; j++) {  /* the flip's +128 over blocks [0, g): 16 c per block */
             const float *xc = a->c + (r0 + j) * (Kp / 32);
-            tot[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
-            for (int64_t i = 0; i < g; i++) corr[j] += (pc ? 16.0f : 16.0f * sc[i]) * xc[i];
+            __m512 cv = _mm512_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= g; i += 16) {
+                const __m512 c16 = _mm512_loadu_ps(xc + i);
+                cv = pc ? _mm512_add_ps(cv, c16) : _mm512_fmadd_ps(_mm512_loadu_ps(sc + i), c16, cv);
+            }
+            float cs = _mm512_reduce_add_ps(cv);
+            for (; i < g; i++) cs += (pc ? 1.0f : sc[i]) * xc[i];
+            tot[j] = _mm512_reduce_add_ps(acc[j]);
+            corr[j] = 16.0f * cs;
         }
     }
 #endif
     for (int j = 0; j < nr; j++) {
         const int64_t r = r0 + j;
-        const float t = tot[j] - corr[j] +
-                        q8q8_from(w, sc, pc, G, g, a->q + r * Kp, a->d + r * (Kp / 32));
+        float t = tot[j] - corr[j];
+        if (g < G) t += q8q8_from(w, sc, pc, G, g, a->q + r * Kp, a->d + r * (Kp / 32));
         y[r * N] = pc ? sc[0] * t : t;
     }
 }
@@ -159,7 +165,7 @@ static void cols_8q8(const int8_t *q, const float *s, int pc, const fd_act *a, i
 void fd_q8q8(const int8_t *q, const float *s, int64_t pc, const float *x, int64_t R, int64_t N,
              int64_t Kp, int8_t *xq, float *xd, float *xc, float *y) {
     for (int64_t r = 0; r < R; r++)
-        quant8(x + r * Kp, Kp / 32, xq + r * Kp, xd + r * Kp / 32, xc + r * Kp / 32);
+        quant8(x + r * Kp, Kp / 32, 0, Kp / 32, xq + r * Kp, xd + r * Kp / 32, xc + r * Kp / 32);
     const fd_act a = {x, xq, xd, xc};
     cols_8q8(q, s, (int)pc, &a, R, N, Kp, y, 0, N);
 }

@@ -167,13 +167,13 @@ def _check_moe(moe: MoE, what: str) -> None:
 
 
 def _check_int8_activations(layers: Any, m: _fused_c.Model, *widths: int) -> None:
-    """8-bit activation blocks need whole blocks of 32 in every activation (pairs of
-    them in a head, which quantizes its own), and quantized weights whose scales meet
-    them: int4 in groups of 32 (the blocks are the groups), int8 in groups of 32 or
-    per output channel."""
-    if any(w % 32 for w in widths) or widths[-1] % 64:
+    """8-bit activation blocks need whole blocks of 32 in every activation (a head's
+    too: each head quantizes its own), and quantized weights whose scales meet them:
+    int4 in groups of 32 (the blocks are the groups), int8 in groups of 32 or per
+    output channel."""
+    if any(w % 32 for w in widths):
         raise Unsupported(f"int8 activations: widths {widths} (hidden, heads x head_dim, "
-                          f"expert width: multiples of 32; head_dim: of 64)")
+                          f"expert width, head_dim: multiples of 32)")
     lins = [m.head, *(getattr(ly, n) for ly in layers for n in ("q", "k", "v", "o", "up", "down"))]
     if not any(lin.bits in (4, 8) for lin in lins):
         raise Unsupported("int8 activations: no int4 or int8 weight to use them "
