@@ -63,24 +63,37 @@ static inline int64_t q8_pos(int64_t b, int64_t nblk, int i) {
 }
 
 /* blocks [b0, b1) of a row of nblk blocks of 32 activations (x its first value) to 8 bits,
-   as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d), at q8_pos in the row's q;
-   c = 8 * d * sum(q) is what the +8 of the int4 nibbles adds to a block's product */
+   as llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d) (to nearest even, as lrintf),
+   each block's two halves at q8_pos in the row's q; c = 8 * d * sum(q) is what the +8 of
+   the int4 nibbles adds to a block's product */
 static void quant8(const float *x, int64_t nblk, int64_t b0, int64_t b1, int8_t *q, float *d,
                    float *c) {
     for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + b * 32;
+        int8_t *lo = q + q8_pos(b, nblk, 0), *hi = q + q8_pos(b, nblk, 16);
+        int sum = 0;
         float amax = 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128((__m128i *)lo, _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)hi, _mm512_cvtsepi32_epi8(i1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
         for (int i = 0; i < 32; i++) {
             const float a = fabsf(xb[i]);
             amax = a > amax ? a : amax;
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
         for (int i = 0; i < 32; i++) {
             const int v = (int)lrintf(xb[i] * inv);
-            q[q8_pos(b, nblk, i)] = (int8_t)v;
+            (i < 16 ? lo : hi - 16)[i] = (int8_t)v;
             sum += v;
         }
+#endif
         d[b] = amax / 127.0f;
         c[b] = 8.0f * d[b] * (float)sum;
     }
