@@ -28,6 +28,7 @@ rank and gloo (on the same CUDA tensors) otherwise, as NCCL refuses two ranks on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -152,6 +153,11 @@ def _worker(args: argparse.Namespace) -> None:
         bar.close()
         with open(args.worker, "w") as f:
             json.dump(results, f)
+    # the DDP steps' models, reducers and hook states sit in reference cycles: free them
+    # while the process group is alive, not during interpreter teardown (where a gloo
+    # reducer freed late aborted one rank with "terminate called without an active
+    # exception" once in CI)
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     _ = OnebitAllreduce  # imported above so a broken install fails before timing
