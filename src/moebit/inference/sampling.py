@@ -94,6 +94,11 @@ def sample_rows(logits_RV: torch.Tensor, params: Sequence[SamplingParams],
     ``sample``. Used by ``generate`` and by the server's engine alike."""
     logits_RV = logits_RV.detach().float().cpu()
     best = logits_RV.argmax(-1).tolist()
+    if len(params) != len(best) or len(gens) != len(best):
+        raise ValueError(f"sample_rows: {len(best)} rows of logits, {len(params)} params, "
+                         f"{len(gens)} generators")
+    if all(p.greedy for p in params):  # no row views to make: a decode step's usual case
+        return best
     return [b if p.greedy else sample(row_V, p, g)
             for row_V, p, g, b in zip(logits_RV, params, gens, best, strict=True)]
 

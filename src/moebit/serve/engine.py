@@ -368,13 +368,19 @@ class Engine:
                              torch.stack([lg for _, lg in done]).float().cpu())
 
     def _sample_all(self, reqs: list[Request], logits_RV: torch.Tensor) -> None:
+        """A token for each request: the greedy rows in one batched argmax, the others one
+        by one with their own generators; a request whose sampling raises fails alone."""
         now = time.monotonic()
-        for r, logits_V in zip(reqs, logits_RV, strict=True):
-            if r.cancelled:
-                continue
+        live = [i for i, r in enumerate(reqs) if not r.cancelled]
+        greedy = [i for i in live if reqs[i].params.greedy]
+        best = (dict(zip(greedy, logits_RV[greedy].float().argmax(-1).tolist(), strict=True))
+                if greedy else {})
+        for i in live:
+            r = reqs[i]
             try:
                 assert r.gen is not None
-                r.out += sample_rows(logits_V[None], [r.params], [r.gen])
+                r.out += ([best[i]] if i in best
+                          else sample_rows(logits_RV[i][None], [r.params], [r.gen]))
                 if len(r.out) == 1:
                     self.metrics.ttft.observe(now - r.arrival)
                 else:
