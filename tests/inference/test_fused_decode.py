@@ -245,7 +245,7 @@ def test_head_columns_follow_logits_to_keep() -> None:
 
 
 def test_native_groups_cut_chunks_at_the_call_size() -> None:
-    from moebit.serve.engine import native_groups
+    from moebit.serve.ragged import native_groups
 
     def req(prompt: int, prefilled: int) -> Request:
         r = Request("r", [1] * prompt, SamplingParams(), lambda e: None)

@@ -51,7 +51,7 @@ from moebit.models.interface import CausalLM, device_of
 from moebit.models.tokenizer import Tokenizer
 from moebit.serve.metrics import Metrics
 from moebit.serve.prefix_cache import PrefixCache
-from moebit.serve.ragged import RaggedView
+from moebit.serve.ragged import RaggedView, native_groups
 from moebit.serve.slot_cache import SlotKVCache
 
 ENGINES = ("ragged", "legacy")
@@ -442,23 +442,3 @@ def check_knobs(max_batch: int, max_queue: int, prefill_chunk: int, max_batch_to
                          "budget, and a joining prompt needs what is left")
     if prefix_cache_tokens < 0:
         raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {prefix_cache_tokens}")
-
-
-def native_groups(plan: list[tuple[Request, int]], cap: int) -> list[list[tuple[Request, int]]]:
-    """``plan`` in groups of at most ``cap`` tokens, decode rows (a request whose prompt
-    is in) first; a prompt chunk that does not fit is cut, its rest opening the next
-    group. Groups run in order, so a cut chunk's second part follows its first."""
-    ordered = sorted(plan, key=lambda rn: rn[0].prefilled < len(rn[0].prompt))
-    groups: list[list[tuple[Request, int]]] = [[]]
-    room = cap
-    for r, n in ordered:
-        while n > 0:
-            if room == 0:
-                groups.append([])
-                room = cap
-            take = min(n, room)
-            groups[-1].append((r, take))
-            n -= take
-            room -= take
-    return [g for g in groups if g]
-

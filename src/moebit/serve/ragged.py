@@ -25,6 +25,7 @@ it unchanged; a family with its own attention keeps calling ``cache.attend``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -161,3 +162,23 @@ class RaggedView:
     def _check(self, t: int) -> None:
         if t != self.n:
             raise ValueError(f"RaggedView: the forward has {t} tokens, its segments {self.n}")
+
+
+def native_groups(plan: list[tuple[Any, int]], cap: int) -> list[list[tuple[Any, int]]]:
+    """The engine's step ``plan`` ((request, tokens) pairs) in groups of at most ``cap``
+    tokens, one native call each: decode rows (a request whose prompt is in) first; a
+    prompt chunk that does not fit is cut, its rest opening the next group. Groups run in
+    order, so a cut chunk's second part follows its first."""
+    ordered = sorted(plan, key=lambda rn: rn[0].prefilled < len(rn[0].prompt))
+    groups: list[list[tuple[Any, int]]] = [[]]
+    room = cap
+    for r, n in ordered:
+        while n > 0:
+            if room == 0:
+                groups.append([])
+                room = cap
+            take = min(n, room)
+            groups[-1].append((r, take))
+            n -= take
+            room -= take
+    return [g for g in groups if g]
