@@ -20,6 +20,7 @@ counted, so the true gain is at most this.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import Any
 
@@ -43,20 +44,15 @@ def step_costs(model: Any, max_rows: int, vocab: int, prompt: int = 16,
 
 
 def _cost(costs: dict[int, float], n: int) -> float:
-    """A step of n rows: linear between the measured counts (beyond them, along the last
-    segment's slope); no rows cost nothing."""
+    """A step of n rows: linear between the measured counts (beyond them, along the
+    nearest segment); one measured count: proportional; no rows cost nothing."""
     if n <= 0:
         return 0.0
     xs = sorted(costs)
-    if n in costs:
-        return costs[n]
-    lo = max([x for x in xs if x < n], default=xs[0])
-    hi = min([x for x in xs if x > n], default=xs[-1])
-    if lo == hi:  # outside the measured range: extend the nearest segment
-        i = 0 if n < xs[0] else len(xs) - 2
-        lo, hi = (xs[i], xs[i + 1]) if len(xs) > 1 else (xs[0], xs[0])
-    if lo == hi:
-        return costs[lo] * n / lo
+    if len(xs) == 1:
+        return costs[xs[0]] * n / xs[0]
+    i = min(max(bisect.bisect_left(xs, n) - 1, 0), len(xs) - 2)  # the segment n falls on
+    lo, hi = xs[i], xs[i + 1]
     return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
 
 

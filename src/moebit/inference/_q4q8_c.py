@@ -122,6 +122,30 @@ static inline __m256i dot_u4s8(__m256i u, __m256i x) {
 
 #endif
 
+/* sum over blocks [0, n) of s[i] * c[i] (s NULL: of c[i]): the correction an offset in the
+   weights' integers (the int4 nibbles' +8, the int8 flip's +128) adds to a product */
+static inline float scaled_csum(const float *s, const float *c, int64_t n) {
+    float t = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 c16 = _mm512_loadu_ps(c + i);
+        v = s ? _mm512_fmadd_ps(_mm512_loadu_ps(s + i), c16, v) : _mm512_add_ps(v, c16);
+    }
+    t = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__)
+    __m256 v = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 c8 = _mm256_loadu_ps(c + i);
+        v = s ? _mm256_fmadd_ps(_mm256_loadu_ps(s + i), c8, v) : _mm256_add_ps(v, c8);
+    }
+    t = fd_hsum8(v);
+#endif
+    for (; i < n; i++) t += (s ? s[i] : 1.0f) * c[i];
+    return t;
+}
+
 /* one weight row (nibbles qc, group scales sc) against one 8-bit activation row, from
    group g on (the 256-bit passes and the portable loop; exact, no +8 correction) */
 static inline float q4q8_from(const uint8_t *qc, const float *sc, int64_t G, int64_t g,
@@ -211,41 +235,21 @@ static inline __attribute__((always_inline)) void q4q8_rows(
                                          acc[j]);
             }
         }
-        /* the nibbles' +8 over every group (sum of s_w * c, 16 groups a vector), taken off
-           the sums before their one reduction */
-        for (int j = 0; j < nr; j++) {
-            const float *xc = a->c + (r0 + j) * (Kp / 32);
-            __m512 cv = _mm512_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= G; i += 16)
-                cv = _mm512_fmadd_ps(_mm512_loadu_ps(sc + i), _mm512_loadu_ps(xc + i), cv);
-            float rest = 0.0f;
-            for (; i < G; i++) rest += sc[i] * xc[i];
-            tot[j] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[j], cv)) - rest;
-        }
+        for (int j = 0; j < nr; j++) tot[j] = _mm512_reduce_add_ps(acc[j]);
     }
     for (int j = 0; j < nr && g < G; j++) {
         const int64_t r = r0 + j;
         tot[j] += q4q8_from(qc, sc, G, g, a->q + r * Kp, a->d + r * (Kp / 32));
     }
-    for (int j = 0; j < nr; j++) y[(r0 + j) * N] = tot[j];
 #else
     for (int j = 0; j < nr; j++) {
-        const int64_t r = r0 + j, Gx = Kp / 32;
-        const float *xc = a->c + r * Gx;
-        float t = q4q8_from(qc, sc, G, 0, a->q + r * Kp, a->d + r * Gx), corr = 0.0f;
-        int64_t i = 0;
-#if defined(__AVX2__)
-        /* the nibbles' +8: sum over groups of s_w * c, 8 groups a vector */
-        __m256 cv = _mm256_setzero_ps();
-        for (; i + 8 <= G; i += 8)
-            cv = _mm256_fmadd_ps(_mm256_loadu_ps(sc + i), _mm256_loadu_ps(xc + i), cv);
-        corr = fd_hsum8(cv);
-#endif
-        for (; i < G; i++) corr += sc[i] * xc[i];
-        y[r * N] = t - corr;
+        const int64_t r = r0 + j;
+        tot[j] = q4q8_from(qc, sc, G, 0, a->q + r * Kp, a->d + r * (Kp / 32));
     }
 #endif
+    /* the nibbles' +8 over every group */
+    for (int j = 0; j < nr; j++)
+        y[(r0 + j) * N] = tot[j] - scaled_csum(sc, a->c + (r0 + j) * (Kp / 32), G);
 }
 
 static void cols_4q8(const uint8_t *q, const float *s, const fd_act *a, int64_t R, int64_t N,

@@ -120,18 +120,9 @@ static inline __attribute__((always_inline)) void q8q8_rows(
                                          acc[j]);
             }
         }
-        for (int j = 0; j < nr; j++) {  /* the flip's +128 over blocks [0, g): 16 c per block */
-            const float *xc = a->c + (r0 + j) * (Kp / 32);
-            __m512 cv = _mm512_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= g; i += 16) {
-                const __m512 c16 = _mm512_loadu_ps(xc + i);
-                cv = pc ? _mm512_add_ps(cv, c16) : _mm512_fmadd_ps(_mm512_loadu_ps(sc + i), c16, cv);
-            }
-            float cs = _mm512_reduce_add_ps(cv);
-            for (; i < g; i++) cs += (pc ? 1.0f : sc[i]) * xc[i];
+        for (int j = 0; j < nr; j++) {  /* the flip's +128 over blocks [0, g): 16 c each */
             tot[j] = _mm512_reduce_add_ps(acc[j]);
-            corr[j] = 16.0f * cs;
+            corr[j] = 16.0f * scaled_csum(pc ? 0 : sc, a->c + (r0 + j) * (Kp / 32), g);
         }
     }
 #endif
