@@ -433,6 +433,6 @@ def test_scaled_rope_matches_the_module_path(rope: dict) -> None:
     ref = two_steps(ref_model, ps)
     m = make("mixtral", None, rope_scaling=rope, max_position_embeddings=8)
     fused = fused_decode.attach(m)
-    assert fused._tabled == (rope["rope_type"] == "linear")
+    assert fused.tabled == (rope["rope_type"] == "linear")
     torch.testing.assert_close(two_steps(m, ps), ref, atol=1e-5, rtol=1e-5)
     assert fused.steps == 2

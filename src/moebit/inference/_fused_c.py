@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 
 from moebit.comm._native import open_library
-from moebit.inference import _q4q8_c, _q8q8_c, _qgemv_c
+from moebit.inference import _greedy_c, _q4q8_c, _q8q8_c, _qgemv_c
 
 STEP_SOURCE = r"""
 #include <math.h>
@@ -398,7 +398,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 }
 """
 
-SOURCE = _qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + STEP_SOURCE
+SOURCE = _qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + STEP_SOURCE + _greedy_c.SOURCE
 
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -433,6 +433,8 @@ SIGNATURES = {
     "fd_q8q8": ([_VP, _VP, _I64, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
                  _VP, _VP, _I64, _VP, ctypes.c_int, _VP, _I64], ctypes.c_int),
+    "fd_greedy": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _VP,
+                   _VP, _I64, _VP, ctypes.c_int, _I64, _VP, _I64, _VP, _VP, _VP, _VP], _I64),
 }
 _by_isa: dict[str | None, ctypes.CDLL | None] = {}
 

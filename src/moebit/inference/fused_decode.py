@@ -240,14 +240,14 @@ class FusedDecode:
         self.steps = 0  # calls served natively
         # one step at a time: the scratch buffers are the model's (a server's engine
         # thread and a generate call in another thread may share a model)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._rows = self._threads = self._tmax = 0
         self._scratch: dict[str, torch.Tensor] = {}
         self._cache_ptrs: tuple[Any, Any, Any] | None = None  # (cache, k array, v array)
         self._checked: Any = None  # the last cache the modules were checked for
         # RoPE whose frequencies do not move with the sequence: cos / sin by position,
         # computed once (dynamic NTK and longrope rescale per call: computed each step)
-        self._tabled = getattr(getattr(model.rotary_emb, "spec", None), "rope_type",
+        self.tabled = getattr(getattr(model.rotary_emb, "spec", None), "rope_type",
                                "default") not in ("dynamic", "longrope")
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._zero = torch.zeros(())
@@ -286,7 +286,7 @@ class FusedDecode:
             self._cache_ptrs = held
         return held[1], held[2]
 
-    def _decode_rows(self, input_ids: torch.Tensor, cache: Any) -> DecodeRows | None:
+    def decode_rows(self, input_ids: torch.Tensor, cache: Any) -> DecodeRows | None:
         """Where the tokens of a call the native step serves read and write, else None:
         a step of one token per row of a cache that says so (``decode_rows``: a batch's
         ``KVCache``, the serving engine's slots, a packed step of decode rows alone)."""
@@ -311,34 +311,26 @@ class FusedDecode:
 
     def __call__(self, input_ids: torch.Tensor, cache: Any,
                  logits_to_keep: int | torch.Tensor = 0) -> ModelOutput | None:
-        rows = self._decode_rows(input_ids, cache)
+        rows = self.decode_rows(input_ids, cache)
         if rows is None:
             return None
-        with self._lock:
+        with self.lock:
             return self._step(input_ids, cache, rows, logits_to_keep)
 
     def _step(self, input_ids: torch.Tensor, cache: Any, rows: DecodeRows,
               logits_to_keep: int | torch.Tensor) -> ModelOutput:
         b, t = input_ids.shape
-        n, base = b * t, rows.cache
-        threads = torch.get_num_threads()
-        self._ensure_scratch(n, threads, base.capacity)
-        if self._tabled:
-            cos, sin = self._rope_table(base.capacity)
-        else:
-            pos = (rows.col - rows.first)[:, None]
-            cos, sin = (x.reshape(n, -1).contiguous() for x in self.model.rotary_emb(pos))
+        n = b * t
+        cos, sin, slot, first, col, kc, vc, threads = self.native_args(rows, n)
         ids = input_ids.reshape(-1).contiguous()
-        slot, first, col = (x.contiguous() for x in (rows.slot, rows.first, rows.col))
         cols = head_columns(t, logits_to_keep)
         hrows = None if cols is None else (torch.arange(b)[:, None] * t + cols).reshape(-1)
         logits = torch.empty(b, t if cols is None else cols.numel(), self.struct.vocab)
-        kc, vc = self._pointers(base)
         rc = self.lib.fd_step(ctypes.byref(self.struct), n, ids.data_ptr(), cos.data_ptr(),
-                              sin.data_ptr(), cos.shape[-1], self._tabled, slot.data_ptr(),
+                              sin.data_ptr(), cos.shape[-1], self.tabled, slot.data_ptr(),
                               first.data_ptr(), col.data_ptr(),
                               None if rows.live is None else rows.live.data_ptr(), kc, vc,
-                              base.capacity, logits.data_ptr(), threads,
+                              rows.cache.capacity, logits.data_ptr(), threads,
                               None if hrows is None or not hrows.numel() else hrows.data_ptr(),
                               -1 if hrows is None else hrows.numel())
         if rc == 3:
@@ -349,6 +341,21 @@ class FusedDecode:
         cache.advance(t)
         self.steps += 1
         return ModelOutput(logits, None, self._zero, [])
+
+    def native_args(self, rows: DecodeRows, n: int) -> tuple[Any, ...]:
+        """What a native call of ``n`` tokens at ``rows`` reads besides the tokens: cos,
+        sin (tables by position when ``tabled``), slot, first, col, the cache's key and
+        value pointers, threads; the scratch is grown to fit first. Call under the lock."""
+        base = rows.cache
+        threads = torch.get_num_threads()
+        self._ensure_scratch(n, threads, base.capacity)
+        if self.tabled:
+            cos, sin = self._rope_table(base.capacity)
+        else:
+            pos = (rows.col - rows.first)[:, None]
+            cos, sin = (x.reshape(n, -1).contiguous() for x in self.model.rotary_emb(pos))
+        slot, first, col = (x.contiguous() for x in (rows.slot, rows.first, rows.col))
+        return (cos, sin, slot, first, col, *self._pointers(base), threads)
 
     def _rope_table(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [capacity, rw] by position, computed once (and when a cache is longer)."""

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moebit.inference import fused_decode
+from moebit.inference.fused_greedy import greedy_steps
 from moebit.inference.sampling import SamplingParams, sample_rows
 from moebit.models.interface import CausalLM, device_of
 from moebit.moe import TopKGate
@@ -142,6 +143,7 @@ class _BatchRun:
             if not alive:
                 self.cache.finish(i)
         self.prefilled = False
+        self.stepwise = False  # the native one-call decoding refused this batch
 
     @property
     def done(self) -> bool:
@@ -166,6 +168,26 @@ class _BatchRun:
                 self.cache.finish(i)
         last = [r[-1] if r else 0 for r in self.new]
         self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
+
+    def finish_natively(self) -> list[float] | None:
+        """Every remaining step in one native call (``fused_greedy``), for greedy rows that
+        only token ids can stop (no ``stop`` bytes): each step's seconds, or None where
+        the native step cannot serve this batch (then ``step`` goes on, from the same
+        state, and is not asked again)."""
+        if self.stop or not self.prefilled or self.stepwise:
+            return None
+        left = [b - len(n) for b, n in zip(self.budgets, self.new, strict=True)]
+        last = [r[-1] if r else 0 for r in self.new]
+        run = greedy_steps(self.model, self.cache, last, left, self.eos)
+        if run is None:
+            self.stepwise = True
+            return None
+        for i, toks in enumerate(run.tokens):
+            self.new[i] += toks
+            if toks and toks[-1] in self.eos:
+                self.reasons[i] = "stop"
+        self.live = list(self.cache.live)
+        return run.step_s
 
 
 def _is_distributed() -> bool:
@@ -268,20 +290,23 @@ def _decode(model: CausalLM, mine: list[int], runs: Iterator[_BatchRun], lockste
         busy = run is not None
         if not (_any_rank_busy(busy) if lockstep else busy):
             break
-        res.global_steps += 1
         if run is None:
+            res.global_steps += 1
             idle_forward(model)
             continue
         t0 = time.perf_counter()
         prefill = not run.prefilled
-        run.step(params)
-        dt = time.perf_counter() - t0
+        steps_s = None if prefill or lockstep or not params.greedy else run.finish_natively()
+        if steps_s is None:
+            run.step(params)
+            steps_s = [time.perf_counter() - t0]
+        res.global_steps += len(steps_s)
         if prefill:
-            res.prefill_s += dt
+            res.prefill_s += steps_s[0]
         else:
-            res.decode_s += dt
-            res.decode_steps += 1
-            res.per_step_s.append(dt)
+            res.decode_s += sum(steps_s)
+            res.decode_steps += len(steps_s)
+            res.per_step_s += steps_s
     return dict(zip(mine, new, strict=True))
 
 

@@ -1,0 +1,115 @@
+"""Greedy decoding in one native call (``moebit.inference.fused_greedy``) against the
+step-by-step loop it replaces: the same tokens, finish reasons and step counts, with
+left padding, rows that stop on an EOS or at different budgets, 8-bit activations, and a
+NaN logit; and the cases that must keep the Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_decode import SHAPES, make, prompts
+
+from moebit.inference import fused_decode, fused_greedy
+from moebit.inference import generate as gen_mod
+from moebit.inference.generate import generate_tokens
+
+
+def stepwise(monkeypatch: pytest.MonkeyPatch, m, ps, **kw):
+    """``generate_tokens`` with the one-call path refused: one native step per call."""
+    with monkeypatch.context() as mp:
+        mp.setattr(gen_mod, "greedy_steps", lambda *a: None)
+        return generate_tokens(m, ps, temperature=0, **kw)
+
+
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every ``greedy_steps`` result ``generate`` gets (None: it stepped in Python)."""
+    seen: list[object] = []
+
+    def spy(*a):
+        seen.append(fused_greedy.greedy_steps(*a))
+        return seen[-1]
+
+    monkeypatch.setattr(gen_mod, "greedy_steps", spy)
+    return seen
+
+
+@pytest.mark.parametrize("bits, a8", [(None, False), (8, True), (4, True)])
+def test_one_call_gives_the_step_by_step_tokens(monkeypatch: pytest.MonkeyPatch,
+                                                bits: int | None, a8: bool) -> None:
+    m = make("mixtral", bits, **(SHAPES["quads"] if a8 else {}))
+    fused = fused_decode.attach(m, int8_activations=a8)
+    assert fused is not None, m.decode_step_reason
+    ps = prompts(3)  # left padding: rows of 5, 8 and 11 tokens
+    ref = stepwise(monkeypatch, m, ps, max_new_tokens=12, batch_size=3, eos=[])
+    seen = counted(monkeypatch)
+    before = fused.steps
+    got = generate_tokens(m, ps, max_new_tokens=12, temperature=0, batch_size=3, eos=[])
+    assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+    assert len(seen) == 1 and seen[0] is not None  # every step after the prefill in one call
+    assert fused.steps - before == got.decode_steps == ref.decode_steps == 11
+    assert len(got.per_step_s) == 11 and all(s > 0 for s in got.per_step_s)
+
+
+def test_rows_stop_on_eos_and_at_their_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row 1's third token is made an EOS, and the block size clips the longest prompt's
+    budget, so the rows stop at three different steps."""
+    m = make("mixtral", 4, max_position_embeddings=20)
+    m.config.block_size = 20
+    fused_decode.attach(m)
+    ps = prompts(3)
+    free = stepwise(monkeypatch, m, ps, max_new_tokens=12, batch_size=3, eos=[])
+    eos = [free.tokens[1][2]]
+    ref = stepwise(monkeypatch, m, ps, max_new_tokens=12, batch_size=3, eos=eos)
+    seen = counted(monkeypatch)
+    got = generate_tokens(m, ps, max_new_tokens=12, temperature=0, batch_size=3, eos=eos)
+    assert seen and seen[0] is not None
+    assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+    assert got.decode_steps == ref.decode_steps
+    assert ref.finish_reasons[1] == "stop" and len(ref.tokens[1]) <= 3
+    assert len({len(t) for t in ref.tokens}) > 1, [len(t) for t in ref.tokens]
+
+
+def test_a_nan_logit_is_taken_as_torch_argmax_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's argmax counts a NaN as the maximum (the first one); so does the C loop."""
+    m = make("mixtral")
+    with torch.no_grad():
+        m.lm_head.weight[7] = float("nan")
+    fused_decode.attach(m)
+    ps = prompts(2)
+    ref = stepwise(monkeypatch, m, ps, max_new_tokens=5, batch_size=2, eos=[])
+    got = generate_tokens(m, ps, max_new_tokens=5, temperature=0, batch_size=2, eos=[])
+    assert got.tokens == ref.tokens == [[7] * 5, [7] * 5]
+
+
+def test_sampling_stop_bytes_and_the_module_path_step_in_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m = make("mixtral", 8)
+    fused_decode.attach(m)
+    seen = counted(monkeypatch)
+    generate_tokens(m, prompts(2), max_new_tokens=4, temperature=0.8, batch_size=2, eos=[])
+    generate_tokens(m, prompts(2), max_new_tokens=4, temperature=0, batch_size=2, eos=[],
+                    stop=b"\x00\x01")
+    assert seen == []  # not asked: sampled rows, and stop bytes need the text each step
+    fused_decode.detach(m)
+    out = generate_tokens(m, prompts(2), max_new_tokens=4, temperature=0, batch_size=2, eos=[])
+    assert seen == [None] and out.decode_steps == 3  # no native step: Python steps
+
+
+@torch.no_grad()
+def test_greedy_steps_leaves_the_cache_as_the_loop_does() -> None:
+    """Called by hand after a prefill: the cache advances by the steps run, and every
+    row ends finished; a call it cannot serve is refused with None, the cache untouched."""
+    m = make("mixtral")
+    fused_decode.attach(m)
+    cache = m.new_cache(2, 12, starts=[0, 2])
+    m(torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), cache=cache, logits_to_keep=1)
+    run = fused_greedy.greedy_steps(m, cache, [4, 6], [5, 3], [])
+    assert [len(t) for t in run.tokens] == [5, 3] and len(run.step_s) == 5
+    assert cache.filled == 9 and cache.live == [False, False]
+    assert fused_greedy.greedy_steps(m, cache, [1, 1], [0, 0], []) is None  # nothing live
+    fresh = m.new_cache(1, 6)
+    m(torch.tensor([[1, 2, 3, 4]]), cache=fresh, logits_to_keep=1)
+    assert fused_greedy.greedy_steps(m, fresh, [4], [3], []) is None  # past its capacity
+    with torch.enable_grad():  # the native step serves no autograd
+        assert fused_greedy.greedy_steps(m, fresh, [4], [2], []) is None
+    assert fresh.filled == 4 and fresh.live == [True]
