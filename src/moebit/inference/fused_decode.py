@@ -297,17 +297,19 @@ class FusedDecode:
         if not 1 <= b * t <= MAX_ROWS:
             return None
         rows = cache.decode_rows(b, t)
-        if rows is None:
-            return None
-        k0 = rows.cache.k[0]
-        if (k0.dtype != torch.float32 or not k0.is_contiguous()
-                or len(rows.cache.k) != self.struct.n_layer):
-            return None
-        if self._checked is not rows.cache:
+        return rows if rows is not None and self.serves(rows.cache) else None
+
+    def serves(self, cache: KVCache) -> bool:
+        """Whether a native call may read and write ``cache``'s buffers (float32, one per
+        layer, contiguous) with this model's weights still the ones it was built from."""
+        k0 = cache.k[0]
+        if k0.dtype != torch.float32 or not k0.is_contiguous() or len(cache.k) != self.struct.n_layer:
+            return False
+        if self._checked is not cache:
             if not self.weights.fresh():
-                return None
-            self._checked = rows.cache
-        return rows
+                return False
+            self._checked = cache
+        return True
 
     def __call__(self, input_ids: torch.Tensor, cache: Any,
                  logits_to_keep: int | torch.Tensor = 0) -> ModelOutput | None:

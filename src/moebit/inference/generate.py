@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moebit.inference import fused_decode
-from moebit.inference.fused_greedy import greedy_steps
+from moebit.inference.fused_generate import greedy_steps, prefill
 from moebit.inference.sampling import SamplingParams, sample_rows
 from moebit.models.interface import CausalLM, device_of
 from moebit.moe import TopKGate
@@ -128,6 +128,7 @@ class _BatchRun:
                  gens: list[torch.Generator], stop: bytes | None, eos: frozenset[int]) -> None:
         dev = device_of(model)
         self.model, self.budgets, self.gens, self.stop = model, budgets, gens, stop
+        self.prompts = prompts
         self.eos = eos
         tmax = max(len(p) for p in prompts)
         self.cache = model.new_cache(len(prompts), tmax + max(budgets),
@@ -151,7 +152,9 @@ class _BatchRun:
 
     def step(self, params: SamplingParams) -> None:
         """One forward (the prefill, then one decode step each call) and one token per live row."""
-        logits_BV = self.model(self.ids_BT, cache=self.cache, logits_to_keep=1).logits[:, -1]
+        logits_BV = None if self.prefilled else prefill(self.model, self.cache, self.prompts)
+        if logits_BV is None:
+            logits_BV = self.model(self.ids_BT, cache=self.cache, logits_to_keep=1).logits[:, -1]
         self.prefilled = True
         # one generator per prompt: a prompt's text does not depend on its batch or rank
         nxt = sample_rows(logits_BV, [params] * len(self.gens), self.gens)
@@ -170,7 +173,7 @@ class _BatchRun:
         self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
 
     def finish_natively(self) -> list[float] | None:
-        """Every remaining step in one native call (``fused_greedy``), for greedy rows that
+        """Every remaining step in one native call (``fused_generate``), for greedy rows that
         only token ids can stop (no ``stop`` bytes): each step's seconds, or None where
         the native step cannot serve this batch (then ``step`` goes on, from the same
         state, and is not asked again)."""

@@ -1,7 +1,8 @@
-"""Greedy decoding in one native call (``moebit.inference.fused_greedy``) against the
-step-by-step loop it replaces: the same tokens, finish reasons and step counts, with
-left padding, rows that stop on an EOS or at different budgets, 8-bit activations, and a
-NaN logit; and the cases that must keep the Python loop."""
+"""``generate`` in native calls (``moebit.inference.fused_generate``). Greedy decoding in
+one call against the step-by-step loop it replaces: the same tokens, finish reasons and
+step counts, with left padding, rows that stop on an EOS or at different budgets, 8-bit
+activations, and a NaN logit; and the cases that must keep the Python loop. The prefill
+on 8-bit activations: close to the modules', cut into calls, the serving engine's text."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import pytest
 import torch
 from test_fused_decode import SHAPES, make, prompts
 
-from moebit.inference import fused_decode, fused_greedy
+from moebit.inference import fused_decode, fused_generate
 from moebit.inference import generate as gen_mod
 from moebit.inference.generate import generate_tokens
+from moebit.inference.sampling import SamplingParams
+from moebit.models.tokenizer import ByteTokenizer
+from moebit.serve.engine import Engine, Request
 
 
 def stepwise(monkeypatch: pytest.MonkeyPatch, m, ps, **kw):
@@ -26,7 +30,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     seen: list[object] = []
 
     def spy(*a):
-        seen.append(fused_greedy.greedy_steps(*a))
+        seen.append(fused_generate.greedy_steps(*a))
         return seen[-1]
 
     monkeypatch.setattr(gen_mod, "greedy_steps", spy)
@@ -103,13 +107,93 @@ def test_greedy_steps_leaves_the_cache_as_the_loop_does() -> None:
     fused_decode.attach(m)
     cache = m.new_cache(2, 12, starts=[0, 2])
     m(torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), cache=cache, logits_to_keep=1)
-    run = fused_greedy.greedy_steps(m, cache, [4, 6], [5, 3], [])
+    run = fused_generate.greedy_steps(m, cache, [4, 6], [5, 3], [])
     assert [len(t) for t in run.tokens] == [5, 3] and len(run.step_s) == 5
     assert cache.filled == 9 and cache.live == [False, False]
-    assert fused_greedy.greedy_steps(m, cache, [1, 1], [0, 0], []) is None  # nothing live
+    assert fused_generate.greedy_steps(m, cache, [1, 1], [0, 0], []) is None  # nothing live
     fresh = m.new_cache(1, 6)
     m(torch.tensor([[1, 2, 3, 4]]), cache=fresh, logits_to_keep=1)
-    assert fused_greedy.greedy_steps(m, fresh, [4], [3], []) is None  # past its capacity
+    assert fused_generate.greedy_steps(m, fresh, [4], [3], []) is None  # past its capacity
     with torch.enable_grad():  # the native step serves no autograd
-        assert fused_greedy.greedy_steps(m, fresh, [4], [2], []) is None
+        assert fused_generate.greedy_steps(m, fresh, [4], [2], []) is None
     assert fresh.filled == 4 and fresh.live == [True]
+
+
+def module_prefill(m, ps: list[list[int]]):
+    """The modules' prefill of left-padded ``ps``: (last-token logits [B, V], cache)."""
+    t = max(map(len, ps))
+    cache = m.new_cache(len(ps), t + 2, starts=[t - len(p) for p in ps])
+    ids = torch.zeros(len(ps), t, dtype=torch.long)
+    for i, p in enumerate(ps):
+        ids[i, t - len(p):] = torch.tensor(p)
+    step, m.decode_step = m.decode_step, None
+    try:
+        return m(ids, cache=cache, logits_to_keep=1).logits[:, -1], cache
+    finally:
+        m.decode_step = step
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_on_8_bit_activations_is_the_native_steps_arithmetic(
+        monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+    """Rows of 5, 8, 11 and 30 tokens, left-padded, in calls of at most 16 tokens (pieces
+    of one row in order, calls that mix rows): each row's logits and keys are exactly
+    those of the native step fed its prompt one token a call, close to the modules', and
+    the padding columns hold zeros."""
+    monkeypatch.setattr(fused_generate, "MAX_ROWS", 16)
+    m = make("mixtral", bits, **SHAPES["quads"])
+    fused_decode.attach(m, int8_activations=True)
+    ps = [*prompts(3), list(range(30))]
+    ref, _ = module_prefill(m, ps)
+    t = max(map(len, ps))
+    cache = m.new_cache(len(ps), t + 2, starts=[t - len(p) for p in ps])
+    cache.k[0].fill_(float("nan"))  # stale memory where the padding is
+    got = fused_generate.prefill(m, cache, ps)
+    assert cache.filled == t
+    for i, p in enumerate(ps):
+        alone = m.new_cache(1, t + 2)
+        for x in p:  # one native step per token
+            one = m(torch.tensor([[x]]), cache=alone).logits[0, -1]
+        torch.testing.assert_close(got[i], one, atol=0, rtol=0)
+        s = cache.starts[i]
+        torch.testing.assert_close(cache.k[1][i, :, s:t], alone.k[1][0, :, :len(p)], atol=0, rtol=0)
+        assert not cache.k[0][i, :, :s].any() and not cache.v[1][i, :, :s].any()
+    rel = (got - ref).norm() / ref.norm()
+    assert 0 < rel < 0.06  # rounded activations: close to the modules, not equal
+
+
+@torch.no_grad()
+def test_prefill_keeps_the_modules_where_it_does_not_apply() -> None:
+    m = make("mixtral", 8)
+    fused_decode.attach(m)  # float activations: the modules' arithmetic, the modules prefill
+    cache = m.new_cache(1, 8)
+    assert fused_generate.prefill(m, cache, [[1, 2, 3]]) is None and cache.filled == 0
+    a8 = make("mixtral", 8, **SHAPES["quads"])
+    fused_decode.attach(a8, int8_activations=True)
+    cache = a8.new_cache(2, 8, starts=[0, 1])
+    assert fused_generate.prefill(a8, cache, [[1, 2, 3], [4, 5, 6]]) is None  # starts wrong
+    assert fused_generate.prefill(a8, a8.new_cache(1, 2), [[1, 2, 3]]) is None  # too long
+    with torch.enable_grad():
+        assert fused_generate.prefill(a8, a8.new_cache(1, 8), [[1, 2, 3]]) is None
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        fused_generate.prefill(a8, a8.new_cache(1, 8), [[1, 2, 999]])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_generate_on_8_bit_activations_writes_the_serving_engines_text(bits: int) -> None:
+    """The engine prefills prompt chunks natively; ``generate`` now does too, so a prompt
+    gets the same greedy text from both with ``--activations int8``."""
+    m = make("mixtral", bits, **SHAPES["quads"])
+    fused_decode.attach(m, int8_activations=True)
+    ps = prompts(3)
+    got = generate_tokens(m, ps, max_new_tokens=8, temperature=0, batch_size=3, eos=[])
+    eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8, max_batch_tokens=64)
+    reqs = [Request(str(i), list(p), SamplingParams(max_tokens=8, temperature=0),
+                    lambda e: None) for i, p in enumerate(ps)]
+    for r in reqs:
+        eng.submit(r)
+    with torch.no_grad():
+        while eng.busy():
+            eng.step()
+    assert [r.out for r in reqs] == got.tokens
