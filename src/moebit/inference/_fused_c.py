@@ -159,6 +159,38 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
     }
 }
 
+/* one query head's attention over its keys and values at columns t0 .. t1 (kb, vb:
+   [tmax, dh]; sc: scratch by column). The dot products and the weighted sum are
+   ``omp simd`` loops (any dh, no lane count assumed). At a decode step this is bound by
+   reading the keys and values (about 12 GB/s a thread once the expert weights streamed
+   through the caches evict them), not by its arithmetic. */
+static void attend_head(const float *restrict q, const float *restrict kb,
+                        const float *restrict vb, int64_t t0, int64_t t1, int64_t dh,
+                        float scale, float *restrict sc, float *restrict out) {
+    float mx = -INFINITY;
+    for (int64_t t = t0; t <= t1; t++) {
+        const float *restrict kt = kb + t * dh;
+        float s = 0.0f;
+#pragma omp simd reduction(+:s)
+        for (int64_t i = 0; i < dh; i++) s += q[i] * kt[i];
+        s *= scale;
+        sc[t] = s;
+        if (s > mx) mx = s;
+    }
+    float den = 0.0f;
+    for (int64_t t = t0; t <= t1; t++) { sc[t] = expf(sc[t] - mx); den += sc[t]; }
+    const float inv = 1.0f / den;
+    float acc[dh];
+    for (int64_t i = 0; i < dh; i++) acc[i] = 0.0f;
+    for (int64_t t = t0; t <= t1; t++) {
+        const float p = sc[t] * inv;
+        const float *restrict vt = vb + t * dh;
+#pragma omp simd
+        for (int64_t i = 0; i < dh; i++) acc[i] += p * vt[i];
+    }
+    for (int64_t i = 0; i < dh; i++) out[i] = acc[i];
+}
+
 /* one decode step of R rows, row r in cache row slot[r]: its keys are columns
    first[r] .. col[r] - 1, its new key and value go to column col[r], at position
    col[r] - first[r]. ids [R]; cos, sin [R, rw], or with ``tabled`` tables [tmax, rw] by
@@ -227,32 +259,9 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 float *q = m->qb + r * QN + hh * DH;
                 if (ly->qn) rmsnorm(q, ly->qn, q, DH, m->eps);
                 rope(q, cos_ + rot[r], sin_ + rot[r], rw);
-                const float *kb = kcl + (slot[r] * HKV + g) * tmax * DH;
-                const float *vb = vcl + (slot[r] * HKV + g) * tmax * DH;
-                const int64_t t0 = first[r], filled = col[r];
-                float mx = -INFINITY;
-                for (int64_t t = t0; t <= filled; t++) {
-                    const float *kt = kb + t * DH;
-                    float lane[16] = {0}, s = 0.0f;
-                    int64_t i = 0;
-                    for (; i + 16 <= DH; i += 16)
-                        for (int u = 0; u < 16; u++) lane[u] += q[i + u] * kt[i + u];
-                    for (; i < DH; i++) s += q[i] * kt[i];
-                    for (int u = 0; u < 16; u++) s += lane[u];
-                    s *= m->scale;
-                    sc[t] = s;
-                    if (s > mx) mx = s;
-                }
-                float den = 0.0f;
-                for (int64_t t = t0; t <= filled; t++) { sc[t] = expf(sc[t] - mx); den += sc[t]; }
-                const float inv = 1.0f / den;
-                float *out = m->att + r * QN + hh * DH;
-                for (int64_t i = 0; i < DH; i++) out[i] = 0.0f;
-                for (int64_t t = t0; t <= filled; t++) {
-                    const float p = sc[t] * inv;
-                    const float *vt = vb + t * DH;
-                    for (int64_t i = 0; i < DH; i++) out[i] += p * vt[i];
-                }
+                attend_head(q, kcl + (slot[r] * HKV + g) * tmax * DH,
+                            vcl + (slot[r] * HKV + g) * tmax * DH, first[r], col[r], DH,
+                            m->scale, sc, m->att + r * QN + hh * DH);
                 if (m->act8) {
                     const int64_t o0 = r * QN;  /* this head's blocks of the row */
                     quant8(m->att + o0, QN / 32, hh * DH / 32, (hh + 1) * DH / 32, m->attq + o0,
