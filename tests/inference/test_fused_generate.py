@@ -54,6 +54,20 @@ def test_one_call_gives_the_step_by_step_tokens(monkeypatch: pytest.MonkeyPatch,
     assert len(got.per_step_s) == 11 and all(s > 0 for s in got.per_step_s)
 
 
+def test_a_long_generation_runs_in_calls_of_call_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """11 steps in calls of at most 4 (4 + 4 + 3): Python regains control between calls
+    (a Ctrl-C, a serving thread waiting for the lock), and the text is the same."""
+    m = make("mixtral", 8)
+    fused_decode.attach(m)
+    ps = prompts(2)
+    ref = stepwise(monkeypatch, m, ps, max_new_tokens=12, batch_size=2, eos=[])
+    monkeypatch.setattr(fused_generate, "CALL_STEPS", 4)
+    seen = counted(monkeypatch)
+    got = generate_tokens(m, ps, max_new_tokens=12, temperature=0, batch_size=2, eos=[])
+    assert got.tokens == ref.tokens and got.decode_steps == 11
+    assert [len(r.step_s) for r in seen] == [4, 4, 3]
+
+
 def test_rows_stop_on_eos_and_at_their_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row 1's third token is made an EOS, and the block size clips the longest prompt's
     budget, so the rows stop at three different steps."""

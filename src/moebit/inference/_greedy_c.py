@@ -1,4 +1,4 @@
-"""Greedy decoding in one native call: the C that ``_fused_c`` builds after ``fd_step``.
+"""Greedy decoding, many steps to a native call: the C that ``_fused_c`` builds after ``fd_step``.
 
 Why: at batch 1 on a small MoE a native step takes about half a millisecond, and the
 Python around it (the module call, the step's tensors, the argmax, the per-row

@@ -1,5 +1,6 @@
 """A ``generate`` batch in as few native calls as it allows: the prefill on 8-bit
-activations, and greedy decoding in one call (``_greedy_c.fd_greedy``).
+activations, and greedy decoding in calls of up to ``CALL_STEPS`` steps
+(``_greedy_c.fd_greedy``).
 
     logits_BV = prefill(model, cache, prompts)             # None: the modules prefill
     run = greedy_steps(model, cache, last, budgets, eos)   # None: step in Python instead
@@ -8,7 +9,7 @@ activations, and greedy decoding in one call (``_greedy_c.fd_greedy``).
 Why: with the native step attached, the Python around each step (module call, the
 step's tensors, argmax, bookkeeping) is 10-20% of a small MoE's token at batch 1. When
 every row is greedy and only token ids can stop a row, nothing between two steps needs
-Python, so the steps run back to back in C, each timed there. The tokens are the ones
+Python, so the steps run back to back in C, 64 to a call, each timed there. The tokens are the ones
 the step-by-step loop gives: the same native step, the same first-maximum argmax.
 
 The prefill: with ``int8_activations`` the step's products are not the modules'
@@ -31,6 +32,11 @@ import torch
 from moebit.inference.fused_decode import MAX_ROWS, FusedDecode
 from moebit.models.kv_cache import DecodeRows, KVCache
 
+# steps per native call: the Python between calls is negligible against 64 steps, and a
+# Ctrl-C, or a serving thread that shares the model (the step's lock), waits for one
+# call, not for a whole generation
+CALL_STEPS = 64
+
 
 @dataclass
 class GreedyRun:
@@ -39,17 +45,21 @@ class GreedyRun:
 
 
 def greedy_steps(model: torch.nn.Module, cache: KVCache, last: Sequence[int],
-                 budgets: Sequence[int], eos: Collection[int]) -> GreedyRun | None:
+                 budgets: Sequence[int], eos: Collection[int],
+                 max_steps: int | None = None) -> GreedyRun | None:
     """Decode the live rows of ``cache`` greedily, row r fed ``last[r]`` first, until each
-    has ``budgets[r]`` more tokens or took an id in ``eos``; finished rows are marked in
-    ``cache`` (``finish``) and the cache has advanced by the steps run. None when the
-    native step cannot serve this cache (not attached, RoPE recomputed per step, rows the
-    step does not take): the caller then steps in Python, from the same state."""
+    has ``budgets[r]`` more tokens or took an id in ``eos``, or ``max_steps`` steps ran
+    (default ``CALL_STEPS``);
+    finished rows are marked in ``cache`` (``finish``) and the cache has advanced by the
+    steps run. None when the native step cannot serve this cache (not attached, RoPE
+    recomputed per step, rows the step does not take): the caller then steps in Python,
+    from the same state."""
     fused = getattr(model, "decode_step", None)
     b = cache.batch
     if not isinstance(fused, FusedDecode) or not fused.tabled or len(last) != b or len(budgets) != b:
         return None
     steps = max((n for n, alive in zip(budgets, cache.live, strict=True) if alive), default=0)
+    steps = min(steps, CALL_STEPS if max_steps is None else max_steps)
     if steps < 1 or steps > cache.capacity - cache.filled:
         return None
     ids = torch.tensor(list(last), dtype=torch.long)

@@ -172,11 +172,11 @@ class _BatchRun:
         last = [r[-1] if r else 0 for r in self.new]
         self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
 
-    def finish_natively(self) -> list[float] | None:
-        """Every remaining step in one native call (``fused_generate``), for greedy rows that
-        only token ids can stop (no ``stop`` bytes): each step's seconds, or None where
-        the native step cannot serve this batch (then ``step`` goes on, from the same
-        state, and is not asked again)."""
+    def steps_natively(self) -> list[float] | None:
+        """Up to ``CALL_STEPS`` steps in one native call (``fused_generate``), for greedy
+        rows that only token ids can stop (no ``stop`` bytes): each step's seconds, or
+        None where the native step cannot serve this batch (then ``step`` goes on, from
+        the same state, and is not asked again)."""
         if self.stop or not self.prefilled or self.stepwise:
             return None
         left = [b - len(n) for b, n in zip(self.budgets, self.new, strict=True)]
@@ -190,6 +190,8 @@ class _BatchRun:
             if toks and toks[-1] in self.eos:
                 self.reasons[i] = "stop"
         self.live = list(self.cache.live)
+        last = [r[-1] if r else 0 for r in self.new]
+        self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
         return run.step_s
 
 
@@ -299,7 +301,7 @@ def _decode(model: CausalLM, mine: list[int], runs: Iterator[_BatchRun], lockste
             continue
         t0 = time.perf_counter()
         prefill = not run.prefilled
-        steps_s = None if prefill or lockstep or not params.greedy else run.finish_natively()
+        steps_s = None if prefill or lockstep or not params.greedy else run.steps_natively()
         if steps_s is None:
             run.step(params)
             steps_s = [time.perf_counter() - t0]
