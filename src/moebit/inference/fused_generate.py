@@ -9,8 +9,9 @@ activations, and greedy decoding in calls of up to ``CALL_STEPS`` steps
 Why: with the native step attached, the Python around each step (module call, the
 step's tensors, argmax, bookkeeping) is 10-20% of a small MoE's token at batch 1. When
 every row is greedy and only token ids can stop a row, nothing between two steps needs
-Python, so the steps run back to back in C, 64 to a call, each timed there. The tokens are the ones
-the step-by-step loop gives: the same native step, the same first-maximum argmax.
+Python, so the steps run back to back in C, 64 to a call, each timed there. The tokens
+are the ones the step-by-step loop gives: the same native step, the same first-maximum
+argmax.
 
 The prefill: with ``int8_activations`` the step's products are not the modules'
 arithmetic, and the serving engine already runs prompt chunks through the native step.
@@ -49,11 +50,10 @@ def greedy_steps(model: torch.nn.Module, cache: KVCache, last: Sequence[int],
                  max_steps: int | None = None) -> GreedyRun | None:
     """Decode the live rows of ``cache`` greedily, row r fed ``last[r]`` first, until each
     has ``budgets[r]`` more tokens or took an id in ``eos``, or ``max_steps`` steps ran
-    (default ``CALL_STEPS``);
-    finished rows are marked in ``cache`` (``finish``) and the cache has advanced by the
-    steps run. None when the native step cannot serve this cache (not attached, RoPE
-    recomputed per step, rows the step does not take): the caller then steps in Python,
-    from the same state."""
+    (default ``CALL_STEPS``); finished rows are marked in ``cache`` (``finish``) and the
+    cache has advanced by the steps run. None when the native step cannot serve this
+    cache (not attached, RoPE recomputed per step, rows the step does not take): the
+    caller then steps in Python, from the same state."""
     fused = getattr(model, "decode_step", None)
     b = cache.batch
     if not isinstance(fused, FusedDecode) or not fused.tabled or len(last) != b or len(budgets) != b:
