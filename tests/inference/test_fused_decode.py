@@ -259,6 +259,22 @@ def test_native_groups_cut_chunks_at_the_call_size() -> None:
         [(id(c2), 4)], [(id(c2), 1)]]
 
 
+def engine_texts(m: HFDecoder, prompts: list, max_tokens: list[int], max_batch_tokens: int,
+                 engine: str = "ragged") -> list[list[int]]:
+    """Greedy texts of ``prompts`` (row i up to ``max_tokens[i]``) through the serving
+    engine, all submitted at once into 3 slots (later ones join as others leave)."""
+    eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8,
+                 max_batch_tokens=max_batch_tokens, engine=engine)
+    reqs = [Request(str(i), list(p), SamplingParams(max_tokens=n, temperature=0),
+                    lambda e: None) for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))]
+    for r in reqs:
+        eng.submit(r)
+    with torch.no_grad():  # as Engine.run steps
+        while eng.busy():
+            eng.step()
+    return [r.out for r in reqs]
+
+
 @pytest.mark.parametrize("engine", ["ragged", "legacy"])
 def test_the_serving_engine_gives_the_module_paths_text(engine: str) -> None:
     """Requests joining and leaving while others decode, in both engines: every text
@@ -272,16 +288,8 @@ def test_the_serving_engine_gives_the_module_paths_text(engine: str) -> None:
             fused_decode.attach(m)
         else:
             fused_decode.detach(m)
-        eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8, max_batch_tokens=8,
-                     engine=engine)
-        reqs = [Request(str(i), list(p), SamplingParams(max_tokens=6 + 2 * i, temperature=0),
-                        lambda e: None) for i, p in enumerate(prompts)]
-        for r in reqs:
-            eng.submit(r)
-        with torch.no_grad():  # as Engine.run steps
-            while eng.busy():
-                eng.step()
-        return [r.out for r in reqs]
+        return engine_texts(m, prompts, [6 + 2 * i for i in range(len(prompts))],
+                            max_batch_tokens=8, engine=engine)
 
     want = serve(False)
     got = serve(True)
@@ -299,15 +307,7 @@ def test_calls_cut_at_max_rows_give_the_same_text(monkeypatch: pytest.MonkeyPatc
 
     def serve(fused: bool) -> list[list[int]]:
         (fused_decode.attach if fused else fused_decode.detach)(m)
-        eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8, max_batch_tokens=12)
-        reqs = [Request(str(i), list(p), SamplingParams(max_tokens=5 + i, temperature=0),
-                        lambda e: None) for i, p in enumerate(ps)]
-        for r in reqs:
-            eng.submit(r)
-        with torch.no_grad():
-            while eng.busy():
-                eng.step()
-        return [r.out for r in reqs]
+        return engine_texts(m, ps, [5 + i for i in range(len(ps))], max_batch_tokens=12)
 
     want = serve(False)
     monkeypatch.setattr(fused_decode, "MAX_ROWS", 5)

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_decode import SHAPES, make, prompts
+from test_fused_decode import SHAPES, engine_texts, make, prompts
 
 from moebit.inference import fused_decode, fused_generate
 from moebit.inference import generate as gen_mod
 from moebit.inference.generate import generate_tokens
-from moebit.inference.sampling import SamplingParams
-from moebit.models.tokenizer import ByteTokenizer
-from moebit.serve.engine import Engine, Request
 
 
 def stepwise(monkeypatch: pytest.MonkeyPatch, m, ps, **kw):
@@ -202,12 +199,4 @@ def test_generate_on_8_bit_activations_writes_the_serving_engines_text(bits: int
     fused_decode.attach(m, int8_activations=True)
     ps = prompts(3)
     got = generate_tokens(m, ps, max_new_tokens=8, temperature=0, batch_size=3, eos=[])
-    eng = Engine(m, ByteTokenizer(), max_batch=3, max_queue=8, max_batch_tokens=64)
-    reqs = [Request(str(i), list(p), SamplingParams(max_tokens=8, temperature=0),
-                    lambda e: None) for i, p in enumerate(ps)]
-    for r in reqs:
-        eng.submit(r)
-    with torch.no_grad():
-        while eng.busy():
-            eng.step()
-    assert [r.out for r in reqs] == got.tokens
+    assert engine_texts(m, ps, [8] * len(ps), max_batch_tokens=64) == got.tokens
