@@ -144,7 +144,7 @@ class _BatchRun:
             if not alive:
                 self.cache.finish(i)
         self.prefilled = False
-        self.stepwise = False  # the native one-call decoding refused this batch
+        self.stepwise = False  # the native greedy calls refused this batch: step in Python
 
     @property
     def done(self) -> bool:
@@ -300,13 +300,13 @@ def _decode(model: CausalLM, mine: list[int], runs: Iterator[_BatchRun], lockste
             idle_forward(model)
             continue
         t0 = time.perf_counter()
-        prefill = not run.prefilled
-        steps_s = None if prefill or lockstep or not params.greedy else run.steps_natively()
+        prefilling = not run.prefilled
+        steps_s = None if prefilling or lockstep or not params.greedy else run.steps_natively()
         if steps_s is None:
             run.step(params)
             steps_s = [time.perf_counter() - t0]
         res.global_steps += len(steps_s)
-        if prefill:
+        if prefilling:
             res.prefill_s += steps_s[0]
         else:
             res.decode_s += sum(steps_s)
