@@ -322,12 +322,23 @@ class FusedDecode:
     def _step(self, input_ids: torch.Tensor, cache: Any, rows: DecodeRows,
               logits_to_keep: int | torch.Tensor) -> ModelOutput:
         b, t = input_ids.shape
-        n = b * t
-        cos, sin, slot, first, col, kc, vc, threads = self.native_args(rows, n)
-        ids = input_ids.reshape(-1).contiguous()
         cols = head_columns(t, logits_to_keep)
         hrows = None if cols is None else (torch.arange(b)[:, None] * t + cols).reshape(-1)
-        logits = torch.empty(b, t if cols is None else cols.numel(), self.struct.vocab)
+        logits = self.run(input_ids.reshape(-1), rows, hrows)
+        cache.advance(t)
+        self.steps += 1
+        logits = logits.view(b, t if cols is None else cols.numel(), self.struct.vocab)
+        return ModelOutput(logits, None, self._zero, [])
+
+    def run(self, ids: torch.Tensor, rows: DecodeRows,
+            hrows: torch.Tensor | None = None) -> torch.Tensor:
+        """One native call of the tokens ``ids`` [n] where ``rows`` says: the logits of
+        the tokens ``hrows`` names [len(hrows), V] (None: of every token). Call under the
+        lock; the cache is not advanced."""
+        ids = ids.contiguous()
+        n = ids.numel()
+        cos, sin, slot, first, col, kc, vc, threads = self.native_args(rows, n)
+        logits = torch.empty(n if hrows is None else hrows.numel(), self.struct.vocab)
         rc = self.lib.fd_step(ctypes.byref(self.struct), n, ids.data_ptr(), cos.data_ptr(),
                               sin.data_ptr(), cos.shape[-1], self.tabled, slot.data_ptr(),
                               first.data_ptr(), col.data_ptr(),
@@ -340,9 +351,7 @@ class FusedDecode:
                              f"({self.struct.vocab})")
         if rc != 0:
             raise RuntimeError(f"native decode step refused its arguments (code {rc})")
-        cache.advance(t)
-        self.steps += 1
-        return ModelOutput(logits, None, self._zero, [])
+        return logits
 
     def native_args(self, rows: DecodeRows, n: int) -> tuple[Any, ...]:
         """What a native call of ``n`` tokens at ``rows`` reads besides the tokens: cos,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,20 +125,35 @@ def prefill(model: torch.nn.Module, cache: KVCache,
     return logits
 
 
+def pack_calls(pieces: list[tuple[Any, int]], cap: int) -> list[list[tuple[Any, int]]]:
+    """(key, tokens) pieces, in their order, in groups of at most ``cap`` tokens, one
+    native call each: a piece that does not fit is cut, its rest opening the next group,
+    so a cut piece's parts run in order. The prefill here and the serving engine's
+    packed steps (``serve.ragged.native_groups``) both cut their tokens with it."""
+    groups: list[list[tuple[Any, int]]] = [[]]
+    room = cap
+    for key, n in pieces:
+        while n > 0:
+            if room == 0:
+                groups.append([])
+                room = cap
+            take = min(n, room)
+            groups[-1].append((key, take))
+            n, room = n - take, room - take
+    return [g for g in groups if g]
+
+
 def _groups(prompts: Sequence[Sequence[int]], t: int) -> list[list[tuple[int, int, int]]]:
     """(row, first column, tokens) pieces in calls of at most ``MAX_ROWS`` tokens, every
     row's pieces in column order (a later piece attends to the earlier ones)."""
-    groups: list[list[tuple[int, int, int]]] = [[]]
-    room = MAX_ROWS
-    for i, p in enumerate(prompts):
-        c0 = t - len(p)
-        while c0 < t:
-            if room == 0:
-                groups.append([])
-                room = MAX_ROWS
-            n = min(t - c0, room)
-            groups[-1].append((i, c0, n))
-            c0, room = c0 + n, room - n
+    col = [t - len(p) for p in prompts]  # each row's next column to write
+    groups = []
+    for group in pack_calls([(i, len(p)) for i, p in enumerate(prompts)], MAX_ROWS):
+        pieces = []
+        for i, n in group:
+            pieces.append((i, col[i], n))
+            col[i] += n
+        groups.append(pieces)
     return groups
 
 
@@ -155,19 +171,8 @@ def _prefill_call(fused: FusedDecode, cache: KVCache, prompts: Sequence[Sequence
         if c0 + n == t:
             heads.append(len(ids) - 1)
             last_rows.append(i)
-    n_all = len(ids)
     rows = DecodeRows(cache, torch.tensor(slot), torch.tensor(first), torch.tensor(col), None)
-    cos, sin, slot_t, first_t, col_t, kc, vc, threads = fused.native_args(rows, n_all)
-    ids_t, heads_t = torch.tensor(ids, dtype=torch.long), torch.tensor(heads, dtype=torch.long)
-    out = torch.empty(len(heads), fused.struct.vocab)
-    rc = fused.lib.fd_step(ctypes.byref(fused.struct), n_all, ids_t.data_ptr(), cos.data_ptr(),
-                           sin.data_ptr(), cos.shape[-1], 1, slot_t.data_ptr(),
-                           first_t.data_ptr(), col_t.data_ptr(), None, kc, vc, cache.capacity,
-                           out.data_ptr(), threads, heads_t.data_ptr() if heads else None,
-                           len(heads))
-    if rc == 3:
-        raise IndexError(f"a prompt token id is outside the vocabulary ({fused.struct.vocab})")
-    if rc != 0:
-        raise RuntimeError(f"native prefill refused its arguments (code {rc})")
+    out = fused.run(torch.tensor(ids, dtype=torch.long), rows,
+                    torch.tensor(heads, dtype=torch.long))
     if last_rows:
         logits[last_rows] = out

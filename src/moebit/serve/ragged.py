@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moebit.inference.fused_generate import pack_calls
 from moebit.models.kv_cache import DecodeRows, sdpa
 from moebit.serve.slot_cache import SlotKVCache
 
@@ -166,19 +167,7 @@ class RaggedView:
 
 def native_groups(plan: list[tuple[Any, int]], cap: int) -> list[list[tuple[Any, int]]]:
     """The engine's step ``plan`` ((request, tokens) pairs) in groups of at most ``cap``
-    tokens, one native call each: decode rows (a request whose prompt is in) first; a
-    prompt chunk that does not fit is cut, its rest opening the next group. Groups run in
-    order, so a cut chunk's second part follows its first."""
-    ordered = sorted(plan, key=lambda rn: rn[0].prefilled < len(rn[0].prompt))
-    groups: list[list[tuple[Any, int]]] = [[]]
-    room = cap
-    for r, n in ordered:
-        while n > 0:
-            if room == 0:
-                groups.append([])
-                room = cap
-            take = min(n, room)
-            groups[-1].append((r, take))
-            n -= take
-            room -= take
-    return [g for g in groups if g]
+    tokens, one native call each (``fused_generate.pack_calls``): decode rows (a request
+    whose prompt is in) first; a prompt chunk that does not fit is cut, its rest opening
+    the next group."""
+    return pack_calls(sorted(plan, key=lambda rn: rn[0].prefilled < len(rn[0].prompt)), cap)
