@@ -12,9 +12,9 @@ started or joined between products.
 
 The products reuse the GEMV column loops of ``_qgemv_c`` (int8 / int4, per-group scales,
 1-16 rows, ISA dispatch by build), ``_q4q8_c`` and ``_q8q8_c`` (int4 and int8 on 8-bit
-activations), and add a
-float32 one; so the weights are read in the
-very buffers ``QuantLinear`` / ``QuantExperts`` / ``nn.Linear`` hold, never copied.
+activations) and ``_f32_c`` (float32, in register tiles of rows and columns), so the
+weights are read in the very buffers ``QuantLinear`` / ``QuantExperts`` / ``nn.Linear``
+hold, never copied.
 
 Per layer: RMSNorm -> q, k, v (one parallel phase over all three) -> (Qwen3's per-head
 k norm) RoPE on k and the cache write (per row and key/value head) -> (q norm) RoPE on q
@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 
 from moebit.comm._native import open_library
-from moebit.inference import _greedy_c, _q4q8_c, _q8q8_c, _qgemv_c
+from moebit.inference import _f32_c, _greedy_c, _q4q8_c, _q8q8_c, _qgemv_c
 
 STEP_SOURCE = r"""
 #include <math.h>
@@ -61,7 +61,7 @@ typedef struct {
     const fd_layer *layers;
     /* scratch, float32 unless named: x, xn [R, d]; qb [R, h*dh]; kb, vb [R, hkv*dh];
        att [R, h*dh]; ob [R, d]; lg [R, e]; xe [R*k, d]; hu [R*k, 2f]; ha [R*k, f];
-       ye [R*k, d]; sc [threads, tmax]; ints: slot_row, slot_e [R*k]; act_e, act_off,
+       ye [R*k, d]; sc [threads, h / hkv, tmax]; ints: slot_row, slot_e [R*k]; act_e, act_off,
        act_n [e]; sw float [R*k] */
     float *x, *xn, *qb, *kb, *vb, *att, *ob, *lg, *xe, *hu, *ha, *ye, *sc, *sw;
     int64_t *slot_row, *act_e, *act_off, *act_n, *n_act;
@@ -72,24 +72,6 @@ typedef struct {
 } fd_model;
 
 #define FB 16 /* output columns per work item */
-
-/* float32 weights [n, kp]: y[r, c] = x[r] . w[c] for c in [n0, n1) */
-static void cols_f(const float *w, const float *x, int64_t R, int64_t N, int64_t K,
-                   float *y, int64_t n0, int64_t n1) {
-    for (int64_t c = n0; c < n1; c++) {
-        const float *wc = w + c * K;
-        for (int64_t r = 0; r < R; r++) {
-            const float *xr = x + r * K;
-            float lane[32] = {0}, t = 0.0f;
-            int64_t k = 0;
-            for (; k + 32 <= K; k += 32)
-                for (int i = 0; i < 32; i++) lane[i] += wc[k + i] * xr[k + i];
-            for (; k < K; k++) t += wc[k] * xr[k];
-            for (int i = 0; i < 32; i++) t += lane[i];
-            y[r * N + c] = t;
-        }
-    }
-}
 
 /* columns [n0, n1) of x[R, kp] @ W^T (expert e of a stacked weight) into y[R, n]; int4
    weights in groups of 32 and int8 weights in groups of 32 or per channel read the 8-bit
@@ -113,6 +95,13 @@ static void lin_cols(const fd_lin *L, int64_t e, const fd_act *a, int64_t R, flo
 static inline int64_t nblk(int64_t n) { return (n + FB - 1) / FB; }
 static inline int64_t upto(int64_t a, int64_t n) { return a < n ? a : n; }
 
+/* this thread's contiguous share [lo, hi) of n work items, in a parallel region */
+static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    *lo = n * t / T;
+    *hi = n * (t + 1) / T;
+}
+
 static void rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps) {
     float lane[16] = {0}, ss = 0.0f;
     int64_t i = 0;
@@ -124,29 +113,15 @@ static void rmsnorm(const float *x, const float *w, float *y, int64_t d, float e
     for (i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);
 }
 
-/* rows of x through RMSNorm (weight w) into xn, and with act8 their 8-bit blocks: the
-   input of every product that follows a norm */
-static void norm_rows(const fd_model *m, const float *w, int64_t R) {
+/* row r of x through RMSNorm (weight w) into row h of xn, and with act8 its 8-bit blocks:
+   the input of every product that follows a norm (the head's rows are packed to the
+   front) */
+static void norm_row(const fd_model *m, const float *w, int64_t r, int64_t h) {
     const int64_t D = m->d;
-    for (int64_t r = 0; r < R; r++) {
-        rmsnorm(m->x + r * D, w, m->xn + r * D, D, m->eps);
-        if (m->act8)
-            quant8(m->xn + r * D, D / 32, 0, D / 32, m->xnq + r * D, m->xnd + r * D / 32,
-                   m->xnc + r * D / 32);
-    }
-}
-
-/* the final norm of the rows whose logits are wanted, packed to the front of xn: row
-   hrows[h] (row h when hrows is NULL) becomes row h */
-static void norm_head_rows(const fd_model *m, const int64_t *hrows, int64_t nh) {
-    const int64_t D = m->d;
-    for (int64_t h = 0; h < nh; h++) {
-        const int64_t r = hrows ? hrows[h] : h;
-        rmsnorm(m->x + r * D, m->norm, m->xn + h * D, D, m->eps);
-        if (m->act8)
-            quant8(m->xn + h * D, D / 32, 0, D / 32, m->xnq + h * D, m->xnd + h * D / 32,
-                   m->xnc + h * D / 32);
-    }
+    rmsnorm(m->x + r * D, w, m->xn + h * D, D, m->eps);
+    if (m->act8)
+        quant8(m->xn + h * D, D / 32, 0, D / 32, m->xnq + h * D, m->xnd + h * D / 32,
+               m->xnc + h * D / 32);
 }
 
 /* transformers' rotate-half RoPE on the first rw dims of one head (the rest pass) */
@@ -159,36 +134,45 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
     }
 }
 
-/* one query head's attention over its keys and values at columns t0 .. t1 (kb, vb:
-   [tmax, dh]; sc: scratch by column). The dot products and the weighted sum are
-   ``omp simd`` loops (any dh, no lane count assumed). At a decode step this is bound by
-   reading the keys and values (about 12 GB/s a thread once the expert weights streamed
-   through the caches evict them), not by its arithmetic. */
-static void attend_head(const float *restrict q, const float *restrict kb,
-                        const float *restrict vb, int64_t t0, int64_t t1, int64_t dh,
-                        float scale, float *restrict sc, float *restrict out) {
-    float mx = -INFINITY;
-    for (int64_t t = t0; t <= t1; t++) {
-        const float *restrict kt = kb + t * dh;
-        float s = 0.0f;
-#pragma omp simd reduction(+:s)
-        for (int64_t i = 0; i < dh; i++) s += q[i] * kt[i];
-        s *= scale;
-        sc[t] = s;
-        if (s > mx) mx = s;
-    }
-    float den = 0.0f;
-    for (int64_t t = t0; t <= t1; t++) { sc[t] = expf(sc[t] - mx); den += sc[t]; }
-    const float inv = 1.0f / den;
-    float acc[dh];
-    for (int64_t i = 0; i < dh; i++) acc[i] = 0.0f;
-    for (int64_t t = t0; t <= t1; t++) {
-        const float p = sc[t] * inv;
-        const float *restrict vt = vb + t * dh;
+/* the grp query heads q [grp, dh] of one key/value head over its keys and values at
+   columns t0 .. t1 (kb, vb: [tmax, dh]; sc: scratch [grp, t1 - t0 + 1]) into out [grp, dh].
+   The scores are ``cols_f``'s register tiles: the keys as weight rows, the group's heads
+   as activation rows, so each key is read once for the group. The weighted sum keeps
+   four sums a lane, so that consecutive positions' FMAs do not wait on each other. At a
+   decode step this is bound by reading the keys and values, which the streamed expert
+   weights evict from the caches between steps. */
+static void attend_group(const float *restrict q, const float *restrict kb,
+                         const float *restrict vb, int64_t t0, int64_t t1, int64_t dh,
+                         int64_t grp, float scale, float *restrict sc, float *restrict out) {
+    const int64_t n = t1 - t0 + 1;
+    const float *restrict v0 = vb + t0 * dh;
+    cols_f(kb + t0 * dh, q, grp, n, dh, sc, 0, n);
+    for (int64_t h = 0; h < grp; h++) {
+        float *restrict p = sc + h * n, mx = -INFINITY, den = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            p[t] *= scale;
+            if (p[t] > mx) mx = p[t];
+        }
+        for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - mx); den += p[t]; }
+        const float inv = 1.0f / den;
+        float acc[4][dh];
+        for (int u = 0; u < 4; u++)
+            for (int64_t i = 0; i < dh; i++) acc[u][i] = 0.0f;
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4)
+            for (int u = 0; u < 4; u++) {
+                const float pu = p[t + u] * inv, *restrict vt = v0 + (t + u) * dh;
 #pragma omp simd
-        for (int64_t i = 0; i < dh; i++) acc[i] += p * vt[i];
+                for (int64_t i = 0; i < dh; i++) acc[u][i] += pu * vt[i];
+            }
+        for (; t < n; t++) {
+            const float pu = p[t] * inv, *restrict vt = v0 + t * dh;
+#pragma omp simd
+            for (int64_t i = 0; i < dh; i++) acc[0][i] += pu * vt[i];
+        }
+        for (int64_t i = 0; i < dh; i++)
+            out[h * dh + i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
     }
-    for (int64_t i = 0; i < dh; i++) out[i] = acc[i];
 }
 
 /* one decode step of R rows, row r in cache row slot[r]: its keys are columns
@@ -224,12 +208,12 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 
 #pragma omp parallel num_threads(nt)
     {
-        float *sc = m->sc + (int64_t)omp_get_thread_num() * m->tmax_max;
+        float *sc = m->sc + (int64_t)omp_get_thread_num() * m->tmax_max * grp;
         for (int64_t l = 0; l < m->n_layer; l++) {
             const fd_layer *ly = m->layers + l;
             float *kcl = kc[l], *vcl = vc[l];
-#pragma omp single
-            norm_rows(m, ly->ln1, R);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) norm_row(m, ly->ln1, r, r);
             {
                 const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
                 const int64_t bq = nblk(QN), bk = nblk(KN);
@@ -254,18 +238,20 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 for (int64_t i = 0; i < DH; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
             }
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < R * H; j++) {
-                const int64_t r = j / H, hh = j % H, g = hh / grp;
-                float *q = m->qb + r * QN + hh * DH;
-                if (ly->qn) rmsnorm(q, ly->qn, q, DH, m->eps);
-                rope(q, cos_ + rot[r], sin_ + rot[r], rw);
-                attend_head(q, kcl + (slot[r] * HKV + g) * tmax * DH,
-                            vcl + (slot[r] * HKV + g) * tmax * DH, first[r], col[r], DH,
-                            m->scale, sc, m->att + r * QN + hh * DH);
+            for (int64_t j = 0; j < R * HKV; j++) {   /* a row's query heads by key/value head */
+                const int64_t r = j / HKV, g = j % HKV, h0 = g * grp;
+                float *q = m->qb + r * QN + h0 * DH;
+                for (int64_t hh = 0; hh < grp; hh++) {
+                    if (ly->qn) rmsnorm(q + hh * DH, ly->qn, q + hh * DH, DH, m->eps);
+                    rope(q + hh * DH, cos_ + rot[r], sin_ + rot[r], rw);
+                }
+                attend_group(q, kcl + (slot[r] * HKV + g) * tmax * DH,
+                             vcl + (slot[r] * HKV + g) * tmax * DH, first[r], col[r], DH, grp,
+                             m->scale, sc, m->att + r * QN + h0 * DH);
                 if (m->act8) {
-                    const int64_t o0 = r * QN;  /* this head's blocks of the row */
-                    quant8(m->att + o0, QN / 32, hh * DH / 32, (hh + 1) * DH / 32, m->attq + o0,
-                           m->attd + o0 / 32, m->attc + o0 / 32);
+                    const int64_t o0 = r * QN;  /* this group's blocks of the row */
+                    quant8(m->att + o0, QN / 32, h0 * DH / 32, (h0 + grp) * DH / 32,
+                           m->attq + o0, m->attd + o0 / 32, m->attc + o0 / 32);
                 }
             }
 #pragma omp for schedule(static)
@@ -274,10 +260,10 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 const fd_act aa = act_at(m->att, m->act8 ? m->attq : 0, m->attd, m->attc, 0);
                 lin_cols(&ly->o, 0, &aa, R, m->ob, n0, n1);
             }
-#pragma omp single
-            {
-                for (int64_t i = 0; i < R * D; i++) m->x[i] += m->ob[i];
-                norm_rows(m, ly->ln2, R);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) {
+                for (int64_t i = r * D; i < (r + 1) * D; i++) m->x[i] += m->ob[i];
+                norm_row(m, ly->ln2, r, r);
             }
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblk(m->e); b++) {
@@ -354,48 +340,53 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                the activation the down projection reads, quantized where it is made */
             const int64_t UB = m->act8 ? 64 : FB;
             const int64_t na = m->n_act[0], ns = m->n_act[1], bf = (F + UB - 1) / UB, bd = nblk(D);
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < na * bf; j++) {
-                const int64_t a = j / bf, b = j % bf, e = m->act_e[a];
-                const int64_t off = m->act_off[a], n = m->act_n[a];
-                const int64_t n0 = b * UB, n1 = upto(n0 + UB, F);
-                float *hu = m->hu + off * 2 * F;
-                const fd_act xa = act_at(m->xe, m->act8 ? m->xeq : 0, m->xed, m->xec, off * D);
-                lin_cols(&ly->up, e, &xa, n, hu, n0, n1);
-                lin_cols(&ly->up, e, &xa, n, hu, F + n0, F + n1);
-                for (int64_t r = 0; r < n; r++) {
-                    float *h = m->ha + (off + r) * F;
-                    for (int64_t c = n0; c < n1; c++) {
-                        const float g = hu[r * 2 * F + c];
-                        h[c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
-                    }
-                    if (m->act8) {
-                        const int64_t o0 = (off + r) * F;  /* this block's of the row */
-                        quant8(h, F / 32, n0 / 32, n1 / 32, m->haq + o0, m->had + o0 / 32,
-                               m->hac + o0 / 32);
+            {   /* each thread takes the same contiguous share of every active expert's
+                   columns: balanced whatever the experts' rows, and each share one stream */
+                int64_t b0, b1;
+                share(bf, &b0, &b1);
+                for (int64_t a = 0; a < na; a++) {
+                    const int64_t e = m->act_e[a], off = m->act_off[a], n = m->act_n[a];
+                    float *hu = m->hu + off * 2 * F;
+                    const fd_act xa = act_at(m->xe, m->act8 ? m->xeq : 0, m->xed, m->xec, off * D);
+                    for (int64_t b = b0; b < b1; b++) {
+                        const int64_t n0 = b * UB, n1 = upto(n0 + UB, F);
+                        lin_cols(&ly->up, e, &xa, n, hu, n0, n1);
+                        lin_cols(&ly->up, e, &xa, n, hu, F + n0, F + n1);
+                        for (int64_t r = 0; r < n; r++) {
+                            float *h = m->ha + (off + r) * F;
+                            for (int64_t c = n0; c < n1; c++) {
+                                const float g = hu[r * 2 * F + c];
+                                h[c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
+                            }
+                            if (m->act8) {
+                                const int64_t o0 = (off + r) * F;  /* this block's of the row */
+                                quant8(h, F / 32, n0 / 32, n1 / 32, m->haq + o0,
+                                       m->had + o0 / 32, m->hac + o0 / 32);
+                            }
+                        }
                     }
                 }
             }
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < na * bd; j++) {
-                const int64_t a = j / bd, b = j % bd, e = m->act_e[a];
-                const int64_t off = m->act_off[a], n = m->act_n[a];
-                const int64_t n0 = b * FB, n1 = upto(n0 + FB, D);
-                const fd_act ha = act_at(m->ha, m->act8 ? m->haq : 0, m->had, m->hac, off * F);
-                lin_cols(&ly->down, e, &ha, n, m->ye + off * D, n0, n1);
-            }
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < bd; b++) {   /* combine: columns split, rows in order */
-                const int64_t n0 = b * FB, n1 = upto(n0 + FB, D);
-                for (int64_t s = 0; s < ns; s++) {
+#pragma omp barrier
+            {   /* down, then the weighted combine of the same columns: no barrier between */
+                int64_t b0, b1;
+                share(bd, &b0, &b1);
+                const int64_t c0 = b0 * FB, c1 = upto(b1 * FB, D);
+                for (int64_t a = 0; a < na && c0 < c1; a++) {
+                    const int64_t e = m->act_e[a], off = m->act_off[a], n = m->act_n[a];
+                    const fd_act ha = act_at(m->ha, m->act8 ? m->haq : 0, m->had, m->hac, off * F);
+                    lin_cols(&ly->down, e, &ha, n, m->ye + off * D, c0, c1);
+                }
+                for (int64_t s = 0; s < ns; s++) {   /* rows in order */
                     float *xr = m->x + m->slot_row[s] * D;
                     const float w = m->sw[s], *y = m->ye + s * D;
-                    for (int64_t c = n0; c < n1; c++) xr[c] += w * y[c];
+                    for (int64_t c = c0; c < c1; c++) xr[c] += w * y[c];
                 }
             }
+#pragma omp barrier
         }
-#pragma omp single
-        norm_head_rows(m, hrows, nh);
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < nh; h++) norm_row(m, m->norm, hrows ? hrows[h] : h, h);
         const fd_act xa = act_at(m->xn, m->act8 ? m->xnq : 0, m->xnd, m->xnc, 0);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk(m->vocab); b++) {
@@ -407,7 +398,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 }
 """
 
-SOURCE = _qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + STEP_SOURCE + _greedy_c.SOURCE
+SOURCE = (_qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + _f32_c.SOURCE + STEP_SOURCE
+          + _greedy_c.SOURCE)
 
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -440,6 +432,7 @@ class Model(ctypes.Structure):
 SIGNATURES = {
     "fd_q4q8": ([_VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_q8q8": ([_VP, _VP, _I64, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
+    "fd_f32": ([_VP, _VP, _I64, _I64, _I64, _VP], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
                  _VP, _VP, _I64, _VP, ctypes.c_int, _VP, _I64], ctypes.c_int),
     "fd_greedy": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _VP,

@@ -262,7 +262,7 @@ class FusedDecode:
         sizes = {"x": rows * d, "xn": rows * d, "qb": rows * qn, "kb": rows * kn,
                  "vb": rows * kn, "att": rows * qn, "ob": rows * d, "lg": rows * e,
                  "xe": rows * k * d, "hu": rows * k * 2 * f, "ha": rows * k * f,
-                 "ye": rows * k * d, "sc": threads * tmax, "sw": rows * k}
+                 "ye": rows * k * d, "sc": threads * tmax * (m.h // m.hkv), "sw": rows * k}
         ints = {"slot_row": rows * k, "act_e": e, "act_off": e, "act_n": e, "n_act": 2}
         if m.act8:  # 8-bit copies of the activations quantized products read, scales per 32
             for name, size in (("xn", rows * d), ("att", rows * qn), ("xe", rows * k * d),
