@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 
 from moebit.comm._native import open_library
-from moebit.inference import _f32_c, _greedy_c, _q4q8_c, _q8q8_c, _qgemv_c
+from moebit.inference import _f32_c, _greedy_c, _q4q8_c, _q8q8_c, _qgemv_c, _vexp_c
 
 STEP_SOURCE = r"""
 #include <math.h>
@@ -153,7 +153,7 @@ static void attend_group(const float *restrict q, const float *restrict kb,
             p[t] *= scale;
             if (p[t] > mx) mx = p[t];
         }
-        for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - mx); den += p[t]; }
+        den = exp_shifted(p, n, mx);
         const float inv = 1.0f / den;
         float acc[4][dh];
         for (int u = 0; u < 4; u++)
@@ -354,10 +354,7 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                         lin_cols(&ly->up, e, &xa, n, hu, F + n0, F + n1);
                         for (int64_t r = 0; r < n; r++) {
                             float *h = m->ha + (off + r) * F;
-                            for (int64_t c = n0; c < n1; c++) {
-                                const float g = hu[r * 2 * F + c];
-                                h[c] = g / (1.0f + expf(-g)) * hu[r * 2 * F + F + c];
-                            }
+                            silu_mul(hu + r * 2 * F + n0, hu + r * 2 * F + F + n0, h + n0, n1 - n0);
                             if (m->act8) {
                                 const int64_t o0 = (off + r) * F;  /* this block's of the row */
                                 quant8(h, F / 32, n0 / 32, n1 / 32, m->haq + o0,
@@ -398,8 +395,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 }
 """
 
-SOURCE = (_qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + _f32_c.SOURCE + STEP_SOURCE
-          + _greedy_c.SOURCE)
+SOURCE = (_qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + _f32_c.SOURCE + _vexp_c.SOURCE
+          + STEP_SOURCE + _greedy_c.SOURCE)
 
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -433,6 +430,7 @@ SIGNATURES = {
     "fd_q4q8": ([_VP, _VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_q8q8": ([_VP, _VP, _I64, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_f32": ([_VP, _VP, _I64, _I64, _I64, _VP], None),
+    "fd_exp": ([_VP, _VP, _I64], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
                  _VP, _VP, _I64, _VP, ctypes.c_int, _VP, _I64], ctypes.c_int),
     "fd_greedy": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _VP,
