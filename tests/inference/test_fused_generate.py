@@ -1,8 +1,9 @@
 """``generate`` in native calls (``moebit.inference.fused_generate``). Greedy decoding in
 one call against the step-by-step loop it replaces: the same tokens, finish reasons and
 step counts, with left padding, rows that stop on an EOS or at different budgets, 8-bit
-activations, and a NaN logit; and the cases that must keep the Python loop. The prefill
-on 8-bit activations: close to the modules', cut into calls, the serving engine's text."""
+activations, and a NaN logit; and the cases that must keep the Python loop. The native
+prefill (float and 8-bit activations): the native step's arithmetic, close to the
+modules', cut into calls, the serving engine's text."""
 
 from __future__ import annotations
 
@@ -145,16 +146,16 @@ def module_prefill(m, ps: list[list[int]]):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("bits", [4, 8])
-def test_prefill_on_8_bit_activations_is_the_native_steps_arithmetic(
-        monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+@pytest.mark.parametrize(("bits", "a8"), [(None, False), (8, False), (4, True), (8, True)])
+def test_prefill_is_the_native_steps_arithmetic(
+        monkeypatch: pytest.MonkeyPatch, bits: int | None, a8: bool) -> None:
     """Rows of 5, 8, 11 and 30 tokens, left-padded, in calls of at most 16 tokens (pieces
     of one row in order, calls that mix rows): each row's logits and keys are exactly
-    those of the native step fed its prompt one token a call, close to the modules', and
-    the padding columns hold zeros."""
+    those of the native step fed its prompt one token a call, close to the modules' (to
+    float rounding with float activations), and the padding columns hold zeros."""
     monkeypatch.setattr(fused_generate, "MAX_ROWS", 16)
     m = make("mixtral", bits, **SHAPES["quads"])
-    fused_decode.attach(m, int8_activations=True)
+    fused_decode.attach(m, int8_activations=a8)
     ps = [*prompts(3), list(range(30))]
     ref, _ = module_prefill(m, ps)
     t = max(map(len, ps))
@@ -171,13 +172,16 @@ def test_prefill_on_8_bit_activations_is_the_native_steps_arithmetic(
         torch.testing.assert_close(cache.k[1][i, :, s:t], alone.k[1][0, :, :len(p)], atol=0, rtol=0)
         assert not cache.k[0][i, :, :s].any() and not cache.v[1][i, :, :s].any()
     rel = (got - ref).norm() / ref.norm()
-    assert 0 < rel < 0.06  # rounded activations: close to the modules, not equal
+    if a8:
+        assert 0 < rel < 0.06  # rounded activations: close to the modules, not equal
+    else:
+        assert rel < 1e-5  # the same arithmetic, sums in another order
 
 
 @torch.no_grad()
 def test_prefill_keeps_the_modules_where_it_does_not_apply() -> None:
     m = make("mixtral", 8)
-    fused_decode.attach(m)  # float activations: the modules' arithmetic, the modules prefill
+    fused_decode.detach(m)  # no native step: the modules prefill
     cache = m.new_cache(1, 8)
     assert fused_generate.prefill(m, cache, [[1, 2, 3]]) is None and cache.filled == 0
     a8 = make("mixtral", 8, **SHAPES["quads"])
@@ -191,12 +195,12 @@ def test_prefill_keeps_the_modules_where_it_does_not_apply() -> None:
         fused_generate.prefill(a8, a8.new_cache(1, 8), [[1, 2, 999]])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_generate_on_8_bit_activations_writes_the_serving_engines_text(bits: int) -> None:
-    """The engine prefills prompt chunks natively; ``generate`` now does too, so a prompt
-    gets the same greedy text from both with ``--activations int8``."""
+@pytest.mark.parametrize(("bits", "a8"), [(None, False), (4, False), (4, True), (8, True)])
+def test_generate_writes_the_serving_engines_text(bits: int | None, a8: bool) -> None:
+    """The engine prefills prompt chunks natively and ``generate`` does too, so a prompt
+    gets the same greedy text from both, with float or 8-bit activations."""
     m = make("mixtral", bits, **SHAPES["quads"])
-    fused_decode.attach(m, int8_activations=True)
+    fused_decode.attach(m, int8_activations=a8)
     ps = prompts(3)
     got = generate_tokens(m, ps, max_new_tokens=8, temperature=0, batch_size=3, eos=[])
     assert engine_texts(m, ps, [8] * len(ps), max_batch_tokens=64) == got.tokens

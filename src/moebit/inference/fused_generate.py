@@ -1,6 +1,5 @@
-"""A ``generate`` batch in as few native calls as it allows: the prefill on 8-bit
-activations, and greedy decoding in calls of up to ``CALL_STEPS`` steps
-(``_greedy_c.fd_greedy``).
+"""A ``generate`` batch in as few native calls as it allows: the prefill, and greedy
+decoding in calls of up to ``CALL_STEPS`` steps (``_greedy_c.fd_greedy``).
 
     logits_BV = prefill(model, cache, prompts)             # None: the modules prefill
     run = greedy_steps(model, cache, last, budgets, eos)   # None: step in Python instead
@@ -13,13 +12,12 @@ Python, so the steps run back to back in C, 64 to a call, each timed there. The 
 are the ones the step-by-step loop gives: the same native step, the same first-maximum
 argmax.
 
-The prefill: with ``int8_activations`` the step's products are not the modules'
-arithmetic, and the serving engine already runs prompt chunks through the native step.
-``generate`` does the same there, so a prompt meets the same arithmetic in both, and it
-is also faster there (each expert's weights read once per call of up to ``MAX_ROWS``
-tokens, integer products): 64-token prompts 1.4x (E=64) and 2.2x (E=8) faster than the
-modules on the CPU measured. With float activations both paths are the same arithmetic,
-and the modules' GEMMs win at dense shapes, so the modules keep it.
+The prefill: the serving engine runs prompt chunks through the native step, and
+``generate`` does the same, so a prompt meets the same arithmetic (the same sums in the
+same order) in both and gets the same greedy text. With ``int8_activations`` the modules
+could not give it at all. Where measured it is also faster (docs/benchmarks/decode.md):
+each expert's weights are read once per call of up to ``MAX_ROWS`` tokens, and the
+float32 products run in register tiles.
 """
 
 from __future__ import annotations
@@ -101,11 +99,11 @@ def greedy_steps(model: torch.nn.Module, cache: KVCache, last: Sequence[int],
 def prefill(model: torch.nn.Module, cache: KVCache,
             prompts: Sequence[Sequence[int]]) -> torch.Tensor | None:
     """Write the left-padded ``prompts`` into the empty ``cache`` (row i's tokens end at
-    the last column of the longest) in native calls of at most ``MAX_ROWS`` tokens, on
-    8-bit activations, and return each row's last-token logits [B, V]; None (the cache
-    untouched) unless the attached step has ``int8_activations`` and serves this cache."""
+    the last column of the longest) in native calls of at most ``MAX_ROWS`` tokens and
+    return each row's last-token logits [B, V]; None (the cache untouched) unless the
+    attached step serves this cache."""
     fused = getattr(model, "decode_step", None)
-    if (not isinstance(fused, FusedDecode) or not fused.int8_activations or not fused.tabled
+    if (not isinstance(fused, FusedDecode) or not fused.tabled
             or torch.is_grad_enabled() or model.training or cache.filled
             or len(prompts) != cache.batch or not all(prompts)):
         return None
