@@ -75,7 +75,8 @@ def test_bench_decode_tiny(tmp_path):
     try:
         assert decode.main(["--configs", "tiny", "--batch", "1", "2", "--prompt", "8",
                             "--new-tokens", "4", "--reps", "1", "--threads", "1",
-                            "--bandwidth-mb", "64", "--modules", "--json", str(out)]) == 0
+                            "--bandwidth-mb", "64", "--modules", "--kv-cache", "float16",
+                            "--json", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
     res = json.loads(out.read_text())
@@ -85,6 +86,8 @@ def test_bench_decode_tiny(tmp_path):
     assert res["floor_gb_s"] == max(*res["bandwidth_probes_gb_s"], res["rows_best_gb_s"])
     assert min(r["x_floor"] for r in res["configs"]["tiny"]["b1"].values()) >= 0.99
     tiny = res["configs"]["tiny"]
+    # a float16 cache: 2 layers x 2 kv heads x head 16 x 12 positions x 2 (k, v) x 2 bytes
+    assert tiny["kv_mb_at_end"] == round(2 * 2 * 16 * 12 * 2 * 2 / 1e6, 2)
     fp32 = tiny["floors"]["moebit_fp32"]
     assert fp32["floor_ms"] == pytest.approx(1e3 * fp32["weight_bytes"] / (res["floor_gb_s"] * 1e9),
                                              abs=1e-3)

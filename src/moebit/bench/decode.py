@@ -56,6 +56,7 @@ from moebit.inference.generate import generate_tokens
 from moebit.inference.quantize import quantize_experts_
 from moebit.inference.quantize_dense import quantize_dense_
 from moebit.models.hf import from_pretrained
+from moebit.models.kv_cache import set_kv_dtype
 
 CONFIGS: dict[str, dict[str, int]] = {
     "e8": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
@@ -200,9 +201,12 @@ def run_config(name: str, args: argparse.Namespace, gb_s: float, tmp: Path) -> d
     dims = fl.Dims.of_config(cfg)
     res: dict[str, Any] = {"config": {k: cfg[k] for k in CONFIGS[name]},
                            "floors": floors(dims, gb_s),
-                           "kv_mb_at_end": round(fl.kv_bytes(dims, args.prompt + args.new_tokens)
+                           "kv_mb_at_end": round(fl.kv_bytes(dims, args.prompt + args.new_tokens,
+                                                             2 if args.kv_cache == "float16" else 4)
                                                  / 1e6, 2)}
     models = moebit_models(folder, args.variants)
+    for m in models.values():
+        set_kv_dtype(m, args.kv_cache)
     for k in [k for k in models if k.endswith(A8)]:  # a shape the 8-bit blocks do not fit
         if fused_decode.attach(models[k], int8_activations=True) is None:
             res.setdefault("skipped", {})[k] = models[k].decode_step_reason
@@ -328,6 +332,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth-mb", type=int, default=1024,
                     help="buffer of the read-bandwidth measurement (MB)")
+    ap.add_argument("--kv-cache", choices=("float32", "float16"), default=None,
+                    help="moebit's key/value cache (default float32; llama.cpp's is float16)")
     ap.add_argument("--peer", choices=("none", "llamacpp"), default="none")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--modules", action="store_true",

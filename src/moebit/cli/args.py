@@ -43,6 +43,14 @@ def add_config_flags(ap: argparse.ArgumentParser, skip: Iterable[str] = ()) -> N
                 group.add_argument(flag(key), metavar=key.upper())
 
 
+def add_kv_cache_flag(ap: argparse.ArgumentParser) -> None:
+    """``--kv-cache`` of ``generate`` and ``serve`` (``models.kv_cache.set_kv_dtype``)."""
+    ap.add_argument("--kv-cache", choices=("float32", "float16"), default=None,
+                    help="dtype of the cached keys and values (default: the weights'); "
+                         "float16 halves what a decode step reads from the cache "
+                         "(llama.cpp's default), the arithmetic stays float32")
+
+
 def parse_known(ap: argparse.ArgumentParser, argv: list[str],
                 cmd: str) -> tuple[argparse.Namespace, list[str]]:
     """argparse's parse_known_args, with its exit on bad input turned into a UsageError

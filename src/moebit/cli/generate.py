@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moebit.checkpoint import CheckpointError, read_manifest
+from moebit.cli.args import add_kv_cache_flag
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference import fused_decode
@@ -38,6 +39,7 @@ from moebit.inference.quantize_dense import SCOPES, quantize_model_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
 from moebit.models.hf.tokens import TOKENIZER_FILE, load_tokenizer
+from moebit.models.kv_cache import set_kv_dtype
 from moebit.models.registry import family_of, family_of_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -71,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
                          "head); experts: the experts only")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                     help="weights and activations of the whole model")
+    add_kv_cache_flag(ap)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     ap.add_argument("--json", help="also write prompts, texts and timings to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -192,6 +195,7 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             reports = quantize_model_(model, int(args.quantize[3:]), args.quantize_scope)
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
+        set_kv_dtype(model, args.kv_cache)
         if args.activations == "int8":
             fused_decode.use_int8_activations(model)
         load_s = time.perf_counter() - t0
@@ -212,7 +216,8 @@ def _run_rank(args: argparse.Namespace, ep: int) -> int:
             busy = res.prefill_s + res.decode_s
             summary = {
                 "ranks": info.world_size, "ep_size": ep, "quantize": args.quantize,
-                "dtype": args.dtype, "n_prompts": len(prompts), "new_tokens": n_new,
+                "dtype": args.dtype, "kv_cache": args.kv_cache or args.dtype,
+                "n_prompts": len(prompts), "new_tokens": n_new,
                 "load_s": round(load_s, 3), "rank0_prefill_s": round(res.prefill_s, 3),
                 "rank0_decode_s": round(res.decode_s, 3),
                 "rank0_ms_per_step": round(1e3 * res.decode_s / max(1, res.decode_steps), 2),

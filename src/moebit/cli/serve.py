@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moebit.checkpoint import CheckpointError, read_manifest
+from moebit.cli.args import add_kv_cache_flag
 from moebit.cli.launch import run_ranks
 from moebit.comm.collectives import init_from_env
 from moebit.inference import fused_decode
@@ -30,6 +31,7 @@ from moebit.inference.loading import init_folder_of, load_model, model_config_of
 from moebit.inference.quantize_dense import SCOPES, quantize_model_
 from moebit.models.hf.config import DENSE_FAMILIES, FAMILIES
 from moebit.models.hf.folder import check_folder, looks_like_hf_folder
+from moebit.models.kv_cache import set_kv_dtype
 from moebit.models.registry import family_of, family_of_folder
 from moebit.serve.engine import ENGINES, check_knobs
 from moebit.serve.server import PortInUse, bind, follow, serve_main
@@ -74,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
                     help="all: experts and the dense projections (attention, dense MLPs, "
                          "head); experts: the experts only")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    add_kv_cache_flag(ap)
     ap.add_argument("--context", type=int, default=0,
                     help="tokens of context per request (KV-cache columns per slot); 0: the "
                          f"model's block size, or {HF_CONTEXT} for a Hugging Face folder")
@@ -154,6 +157,7 @@ def run_rank(args: argparse.Namespace) -> int:
             quantize_model_(model, int(args.quantize[3:]), args.quantize_scope)
         if DTYPES[args.dtype] != torch.float32:
             model.to(DTYPES[args.dtype])
+        set_kv_dtype(model, args.kv_cache)
         if args.activations == "int8":
             fused_decode.use_int8_activations(model)
         if info.rank != 0:

@@ -48,6 +48,10 @@ static inline __m256 f32_fold(__m512 v) {
 static inline f32v f32_load(const float *p, int64_t n) {  /* n < 16: the rest are zeros */
     return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
 }
+static inline f32v f32_load_h(const uint16_t *p, int64_t n) {  /* float16, widened */
+    return _mm512_cvtph_ps(n >= 16 ? _mm256_loadu_si256((const __m256i *)p)
+                                   : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p));
+}
 #define f32_fma _mm512_fmadd_ps
 #define f32_zero _mm512_setzero_ps
 #else
@@ -57,22 +61,31 @@ static inline f32v f32_load(const float *p, int64_t n) {  /* n < 8: the rest are
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx));
 }
+static inline f32v f32_load_h(const uint16_t *p, int64_t n) {  /* float16, widened */
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    uint16_t b[8] = {0};
+    for (int64_t i = 0; i < n; i++) b[i] = p[i];
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+}
 #define f32_fma _mm256_fmadd_ps
 #define f32_zero _mm256_setzero_ps
 #endif
 
-/* nr activation rows (x, row stride K) times nc weight rows (w, row stride K):
-   y[r * N + j] for r < nr, j < nc; nr and nc are constants where this is inlined */
+/* nr activation rows (x, row stride K) times nc weight rows (w, row stride K; float16
+   with wh): y[r * N + j] for r < nr, j < nc; nr, nc and wh are constants where this is
+   inlined */
 static inline __attribute__((always_inline)) void f32_tile(
-    const int nr, const int nc, const float *w, const float *x, int64_t K, float *y,
-    int64_t N) {
+    const int wh, const int nr, const int nc, const void *w, const float *x, int64_t K,
+    float *y, int64_t N) {
     f32v acc[F32_ROWS][4];
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = f32_zero();
     for (int64_t k = 0; k < K; k += F32_W) {
         const int64_t n = K - k;
         f32v wv[4];
-        for (int j = 0; j < nc; j++) wv[j] = f32_load(w + j * K + k, n);
+        for (int j = 0; j < nc; j++)
+            wv[j] = wh ? f32_load_h((const uint16_t *)w + j * K + k, n)
+                       : f32_load((const float *)w + j * K + k, n);
         for (int r = 0; r < nr; r++) {
             const f32v xv = f32_load(x + r * K + k, n);
             for (int j = 0; j < nc; j++) acc[r][j] = f32_fma(wv[j], xv, acc[r][j]);
@@ -88,48 +101,63 @@ static inline __attribute__((always_inline)) void f32_tile(
 
 /* nr rows against columns [n0, n1), four at a time (the last 1-3 alone) */
 static inline __attribute__((always_inline)) void f32_rows(
-    const int nr, const float *w, const float *x, int64_t N, int64_t K, float *y,
-    int64_t n0, int64_t n1) {
+    const int wh, const int nr, const void *w, const float *x, int64_t N, int64_t K,
+    float *y, int64_t n0, int64_t n1) {
+    const int64_t es = wh ? 2 : 4;   /* bytes a weight */
+    const char *wb = (const char *)w;
     int64_t c = n0;
-    for (; c + 4 <= n1; c += 4) f32_tile(nr, 4, w + c * K, x, K, y + c, N);
+    for (; c + 4 <= n1; c += 4) f32_tile(wh, nr, 4, wb + c * K * es, x, K, y + c, N);
     switch (n1 - c) {
-        case 3: f32_tile(nr, 3, w + c * K, x, K, y + c, N); break;
-        case 2: f32_tile(nr, 2, w + c * K, x, K, y + c, N); break;
-        case 1: f32_tile(nr, 1, w + c * K, x, K, y + c, N); break;
+        case 3: f32_tile(wh, nr, 3, wb + c * K * es, x, K, y + c, N); break;
+        case 2: f32_tile(wh, nr, 2, wb + c * K * es, x, K, y + c, N); break;
+        case 1: f32_tile(wh, nr, 1, wb + c * K * es, x, K, y + c, N); break;
         default: break;
     }
 }
 #endif
 
-/* float32 weights [n, K]: y[r, c] = x[r] . w[c] for r < R and c in [n0, n1) */
-static void cols_f(const float *w, const float *x, int64_t R, int64_t N, int64_t K,
-                   float *y, int64_t n0, int64_t n1) {
+/* y[r, c] = x[r] . w[c] for r < R and c in [n0, n1): weights [n, K] float32, or float16
+   with wh (a cache's keys) */
+static inline __attribute__((always_inline)) void cols_any(
+    const int wh, const void *w, const float *x, int64_t R, int64_t N, int64_t K, float *y,
+    int64_t n0, int64_t n1) {
 #if defined(__AVX2__)
     int64_t r = 0;
     for (; r + F32_ROWS <= R; r += F32_ROWS)
-        f32_rows(F32_ROWS, w, x + r * K, N, K, y + r * N, n0, n1);
+        f32_rows(wh, F32_ROWS, w, x + r * K, N, K, y + r * N, n0, n1);
     switch (R - r) {
 #if F32_ROWS == 4
-        case 3: f32_rows(3, w, x + r * K, N, K, y + r * N, n0, n1); break;
-        case 2: f32_rows(2, w, x + r * K, N, K, y + r * N, n0, n1); break;
+        case 3: f32_rows(wh, 3, w, x + r * K, N, K, y + r * N, n0, n1); break;
+        case 2: f32_rows(wh, 2, w, x + r * K, N, K, y + r * N, n0, n1); break;
 #endif
-        case 1: f32_rows(1, w, x + r * K, N, K, y + r * N, n0, n1); break;
+        case 1: f32_rows(wh, 1, w, x + r * K, N, K, y + r * N, n0, n1); break;
         default: break;
     }
 #else   /* 16 lanes a row, summed by a fixed tree the compiler can vectorise */
     for (int64_t c = n0; c < n1; c++) {
-        const float *wc = w + c * K;
         for (int64_t r = 0; r < R; r++) {
             const float *xr = x + r * K;
             float lane[16] = {0};
             for (int64_t k = 0; k < K; k += 16)
-                for (int i = 0; i < 16 && k + i < K; i++) lane[i] += wc[k + i] * xr[k + i];
+                for (int i = 0; i < 16 && k + i < K; i++)
+                    lane[i] += (wh ? h2f(((const uint16_t *)w)[c * K + k + i])
+                                   : ((const float *)w)[c * K + k + i]) * xr[k + i];
             for (int h = 8; h; h >>= 1)
                 for (int i = 0; i < h; i++) lane[i] += lane[i + h];
             y[r * N + c] = lane[0];
         }
     }
 #endif
+}
+
+static void cols_f(const float *w, const float *x, int64_t R, int64_t N, int64_t K,
+                   float *y, int64_t n0, int64_t n1) {
+    cols_any(0, w, x, R, N, K, y, n0, n1);
+}
+
+static void cols_fh(const uint16_t *w, const float *x, int64_t R, int64_t N, int64_t K,
+                    float *y, int64_t n0, int64_t n1) {
+    cols_any(1, w, x, R, N, K, y, n0, n1);
 }
 
 /* y[R, N] = x[R, K] @ w[N, K]^T (the tests hold cols_f to a reference with it) */

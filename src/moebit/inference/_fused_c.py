@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 
 from moebit.comm._native import open_library
-from moebit.inference import _f32_c, _greedy_c, _q4q8_c, _q8q8_c, _qgemv_c, _vexp_c
+from moebit.inference import _f32_c, _greedy_c, _half_c, _q4q8_c, _q8q8_c, _qgemv_c, _vexp_c
 
 STEP_SOURCE = r"""
 #include <math.h>
@@ -55,6 +55,7 @@ typedef struct {
     int64_t renorm;        /* weights renormalised over the k chosen */
     int64_t act8;          /* int4 (groups of 32) and int8 (groups of 32 or per channel)
                               weights take 8-bit activations */
+    int64_t kvh;           /* the cache's keys and values are float16 (else float32) */
     float eps, scale, routed_scaling;
     const float *wte, *norm;
     fd_lin head;
@@ -135,18 +136,21 @@ static void rope(float *v, const float *cs, const float *sn, int64_t rw) {
 }
 
 /* the grp query heads q [grp, dh] of one key/value head over its keys and values at
-   columns t0 .. t1 (kb, vb: [tmax, dh]; sc: scratch [grp, t1 - t0 + 1]) into out [grp, dh].
+   columns t0 .. t1 (kb, vb: [tmax, dh], float16 with kvh; sc: scratch [grp, t1 - t0 + 1])
+   into out [grp, dh].
    The scores are ``cols_f``'s register tiles: the keys as weight rows, the group's heads
    as activation rows, so each key is read once for the group. The weighted sum keeps
    four sums a lane, so that consecutive positions' FMAs do not wait on each other. At a
    decode step this is bound by reading the keys and values, which the streamed expert
    weights evict from the caches between steps. */
-static void attend_group(const float *restrict q, const float *restrict kb,
-                         const float *restrict vb, int64_t t0, int64_t t1, int64_t dh,
-                         int64_t grp, float scale, float *restrict sc, float *restrict out) {
+static void attend_group(const float *restrict q, const void *kb, const void *vb, int kvh,
+                         int64_t t0, int64_t t1, int64_t dh, int64_t grp, float scale,
+                         float *restrict sc, float *restrict out) {
     const int64_t n = t1 - t0 + 1;
-    const float *restrict v0 = vb + t0 * dh;
-    cols_f(kb + t0 * dh, q, grp, n, dh, sc, 0, n);
+    const float *restrict v0 = (const float *)vb + t0 * dh;
+    const uint16_t *restrict h0 = (const uint16_t *)vb + t0 * dh;
+    if (kvh) cols_fh((const uint16_t *)kb + t0 * dh, q, grp, n, dh, sc, 0, n);
+    else cols_f((const float *)kb + t0 * dh, q, grp, n, dh, sc, 0, n);
     for (int64_t h = 0; h < grp; h++) {
         float *restrict p = sc + h * n, mx = -INFINITY, den = 0.0f;
         for (int64_t t = 0; t < n; t++) {
@@ -159,16 +163,16 @@ static void attend_group(const float *restrict q, const float *restrict kb,
         for (int u = 0; u < 4; u++)
             for (int64_t i = 0; i < dh; i++) acc[u][i] = 0.0f;
         int64_t t = 0;
-        for (; t + 4 <= n; t += 4)
-            for (int u = 0; u < 4; u++) {
-                const float pu = p[t + u] * inv, *restrict vt = v0 + (t + u) * dh;
+        for (; t < n; t++) {   /* positions 4 apart share a sum; the last 1-3 the first */
+            const int u = t < n - n % 4 ? (int)(t % 4) : 0;
+            const float pu = p[t] * inv;
+            if (kvh) {
+                axpy_half(acc[u], pu, h0 + t * dh, dh);
+            } else {
+                const float *restrict vt = v0 + t * dh;
 #pragma omp simd
                 for (int64_t i = 0; i < dh; i++) acc[u][i] += pu * vt[i];
             }
-        for (; t < n; t++) {
-            const float pu = p[t] * inv, *restrict vt = v0 + t * dh;
-#pragma omp simd
-            for (int64_t i = 0; i < dh; i++) acc[0][i] += pu * vt[i];
         }
         for (int64_t i = 0; i < dh; i++)
             out[h * dh + i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
@@ -232,10 +236,15 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                 float *kr = m->kb + r * KN + g * DH;
                 if (ly->kn) rmsnorm(kr, ly->kn, kr, DH, m->eps);
                 rope(kr, cos_ + rot[r], sin_ + rot[r], rw);
-                float *kd = kcl + ((slot[r] * HKV + g) * tmax + col[r]) * DH;
-                float *vd = vcl + ((slot[r] * HKV + g) * tmax + col[r]) * DH;
+                const int64_t at = ((slot[r] * HKV + g) * tmax + col[r]) * DH;
                 const float *vr = m->vb + r * KN + g * DH;
-                for (int64_t i = 0; i < DH; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
+                if (m->kvh) {
+                    store_half(kr, (uint16_t *)kcl + at, DH);
+                    store_half(vr, (uint16_t *)vcl + at, DH);
+                } else {
+                    memcpy((float *)kcl + at, kr, DH * sizeof(float));
+                    memcpy((float *)vcl + at, vr, DH * sizeof(float));
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < R * HKV; j++) {   /* a row's query heads by key/value head */
@@ -245,9 +254,10 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
                     if (ly->qn) rmsnorm(q + hh * DH, ly->qn, q + hh * DH, DH, m->eps);
                     rope(q + hh * DH, cos_ + rot[r], sin_ + rot[r], rw);
                 }
-                attend_group(q, kcl + (slot[r] * HKV + g) * tmax * DH,
-                             vcl + (slot[r] * HKV + g) * tmax * DH, first[r], col[r], DH, grp,
-                             m->scale, sc, m->att + r * QN + h0 * DH);
+                const int64_t at = (slot[r] * HKV + g) * tmax * DH, es = m->kvh ? 2 : 4;
+                attend_group(q, (const char *)kcl + at * es, (const char *)vcl + at * es,
+                             (int)m->kvh, first[r], col[r], DH, grp, m->scale, sc,
+                             m->att + r * QN + h0 * DH);
                 if (m->act8) {
                     const int64_t o0 = r * QN;  /* this group's blocks of the row */
                     quant8(m->att + o0, QN / 32, h0 * DH / 32, (h0 + grp) * DH / 32,
@@ -395,8 +405,8 @@ int fd_step(const fd_model *m, int64_t R, const int64_t *ids, const float *cos_,
 }
 """
 
-SOURCE = (_qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + _f32_c.SOURCE + _vexp_c.SOURCE
-          + STEP_SOURCE + _greedy_c.SOURCE)
+SOURCE = (_qgemv_c.SOURCE + _q4q8_c.SOURCE + _q8q8_c.SOURCE + _half_c.SOURCE + _f32_c.SOURCE
+          + _vexp_c.SOURCE + STEP_SOURCE + _greedy_c.SOURCE)
 
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -419,7 +429,7 @@ SCRATCH = ("x", "xn", "qb", "kb", "vb", "att", "ob", "lg", "xe", "hu", "ha", "ye
 class Model(ctypes.Structure):
     _fields_ = [*((n, _I64) for n in ("n_layer", "d", "h", "hkv", "dh", "e", "topk", "f",
                                       "vocab", "rows_max", "threads_max", "tmax_max",
-                                      "renorm", "act8")),
+                                      "renorm", "act8", "kvh")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("routed_scaling", ctypes.c_float),
                 ("wte", _VP), ("norm", _VP), ("head", Lin), ("layers", _VP),
@@ -431,6 +441,8 @@ SIGNATURES = {
     "fd_q8q8": ([_VP, _VP, _I64, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP], None),
     "fd_f32": ([_VP, _VP, _I64, _I64, _I64, _VP], None),
     "fd_exp": ([_VP, _VP, _I64], None),
+    "fd_to_half": ([_VP, _VP, _I64], None),
+    "fd_from_half": ([_VP, _VP, _I64], None),
     "fd_step": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _I64, _VP, _VP, _VP, _VP,
                  _VP, _VP, _I64, _VP, ctypes.c_int, _VP, _I64], ctypes.c_int),
     "fd_greedy": ([ctypes.POINTER(Model), _I64, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _VP,

@@ -49,6 +49,7 @@ from moebit.moe import MoE
 from moebit.moe.experts import Experts
 
 MAX_ROWS = 64  # rows a step takes (decode batches; the GEMV kernels' sweet spot is 1-16)
+KV_DTYPES = (torch.float32, torch.float16)  # caches the step reads and writes in place
 
 
 class Unsupported(ValueError):
@@ -300,10 +301,12 @@ class FusedDecode:
         return rows if rows is not None and self.serves(rows.cache) else None
 
     def serves(self, cache: KVCache) -> bool:
-        """Whether a native call may read and write ``cache``'s buffers (float32, one per
-        layer, contiguous) with this model's weights still the ones it was built from."""
+        """Whether a native call may read and write ``cache``'s buffers (float32 or
+        float16, one per layer, contiguous) with this model's weights still the ones it
+        was built from."""
         k0 = cache.k[0]
-        if k0.dtype != torch.float32 or not k0.is_contiguous() or len(cache.k) != self.struct.n_layer:
+        if (k0.dtype not in KV_DTYPES or not k0.is_contiguous()
+                or len(cache.k) != self.struct.n_layer):
             return False
         if self._checked is not cache:
             if not self.weights.fresh():
@@ -366,6 +369,7 @@ class FusedDecode:
             pos = (rows.col - rows.first)[:, None]
             cos, sin = (x.reshape(n, -1).contiguous() for x in self.model.rotary_emb(pos))
         slot, first, col = (x.contiguous() for x in (rows.slot, rows.first, rows.col))
+        self.struct.kvh = int(base.k[0].dtype == torch.float16)
         return (cos, sin, slot, first, col, *self._pointers(base), threads)
 
     def _rope_table(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

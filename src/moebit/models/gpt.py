@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebit.models.interface import ModelOutput, keep_columns, keeps_all
-from moebit.models.kv_cache import KVCache
+from moebit.models.kv_cache import KVCache, kv_dtype
 from moebit.moe import MLP, MoEConfig, build_moe, expert_parallel_groups, is_expert_param
 
 
@@ -309,7 +309,8 @@ class GPT(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, starts: Sequence[int] | None = None) -> KVCache:
         """An empty cache for ``batch`` rows of up to ``max_len`` columns, in the model's
-        dtype and device; row b's first ``starts[b]`` columns will be left padding."""
+        dtype (or ``set_kv_dtype``'s) and device; row b's first ``starts[b]`` columns will
+        be left padding."""
         cfg, p = self.config, self.wte.weight
         return KVCache.allocate(cfg.n_layer, batch, cfg.n_head, cfg.d_model // cfg.n_head,
-                                max_len, starts, p.dtype, p.device)
+                                max_len, starts, kv_dtype(self, p.dtype), p.device)

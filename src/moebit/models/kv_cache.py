@@ -27,11 +27,36 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# --kv-cache: the dtypes a model's cache may hold keys and values in (default: its weights')
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def set_kv_dtype(model: torch.nn.Module, name: str | None) -> None:
+    """Keys and values of every cache ``model.new_cache`` makes from now on in ``name``
+    (``KV_CACHE_DTYPES``; None: the weights' dtype). Why float16: past a few hundred
+    positions a decode step reads more cache than weights, and float16 halves it (the
+    native step rounds each key and value once, where it writes them, and computes in
+    float32; so do the modules, which widen what they read)."""
+    if name is not None and name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache: {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if name is not None and getattr(model.config, "is_mla", False):
+        raise ValueError("--kv-cache: multi-head latent attention caches its compressed "
+                         "latent, which keeps the weights' dtype")
+    model.kv_dtype = None if name is None else KV_CACHE_DTYPES[name]
+
+
+def kv_dtype(model: torch.nn.Module, weights: torch.dtype) -> torch.dtype:
+    """The dtype ``model``'s caches hold keys and values in (``set_kv_dtype``)."""
+    return getattr(model, "kv_dtype", None) or weights
+
 
 def sdpa(q_BHTd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor,
          mask: torch.Tensor | None, causal: bool, scale: float | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` with grouped-query heads when the key/value heads
-    are fewer than the query heads (GQA); every cache's ``attend`` ends here."""
+    are fewer than the query heads (GQA); every cache's ``attend`` ends here. Keys and
+    values a cache holds in another dtype (``set_kv_dtype``) are widened to the queries'."""
+    if k_BHSd.dtype != q_BHTd.dtype:
+        k_BHSd, v_BHSd = k_BHSd.to(q_BHTd.dtype), v_BHSd.to(q_BHTd.dtype)
     return F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask,
                                           is_causal=causal, scale=scale,
                                           enable_gqa=q_BHTd.shape[1] != k_BHSd.shape[1])

@@ -122,8 +122,8 @@ class RaggedView:
         kb, vb = self.cache.k[layer], self.cache.v[layer]
         dh = kb.shape[-1]
         index = self._attention_tensors()
-        kb.view(-1, dh).index_copy_(0, index, k_1HNd[0].reshape(-1, dh))
-        vb.view(-1, dh).index_copy_(0, index, v_1HNd[0].reshape(-1, dh))
+        kb.view(-1, dh).index_copy_(0, index, k_1HNd[0].reshape(-1, dh).to(kb.dtype))
+        vb.view(-1, dh).index_copy_(0, index, v_1HNd[0].reshape(-1, dh).to(vb.dtype))
         y = torch.empty_like(q_1HNd)
         if self.rows:
             q_RH1d = q_1HNd.new_zeros(self.rows, q_1HNd.shape[1], 1, q_1HNd.shape[3])

@@ -99,8 +99,9 @@ class SlotKVCache(KVCache):
         s = self._base + t
         # one index_copy_ into the flat buffer: cheaper than an advanced-index assignment
         index = self._flat_index(t)
-        self.k[layer].view(-1, dh).index_copy_(0, index, k_BHTd.reshape(-1, dh))
-        self.v[layer].view(-1, dh).index_copy_(0, index, v_BHTd.reshape(-1, dh))
+        kb, vb = self.k[layer], self.v[layer]
+        kb.view(-1, dh).index_copy_(0, index, k_BHTd.reshape(-1, dh).to(kb.dtype))
+        vb.view(-1, dh).index_copy_(0, index, v_BHTd.reshape(-1, dh).to(vb.dtype))
         if self._contiguous:
             r = len(self.rows)
             return self.k[layer][:r, :, :s], self.v[layer][:r, :, :s]

@@ -32,7 +32,7 @@ from moebit.models.hf.mla import MLAttention, latent_cache
 from moebit.models.hf.norm import RMSNorm
 from moebit.models.hf.sinks import windowed_attention
 from moebit.models.interface import ModelOutput, keep_columns, keeps_all
-from moebit.models.kv_cache import KVCache
+from moebit.models.kv_cache import KVCache, kv_dtype
 from moebit.models.rope import RotaryEmbedding
 from moebit.moe import GatedMLP, MoE, MoEConfig, expert_parallel_groups, is_expert_param
 
@@ -292,7 +292,7 @@ class HFDecoder(nn.Module):
         if c.is_mla:  # the compressed latent, not per-head keys and values
             return latent_cache(c, batch, max_len, starts, p.dtype, p.device)
         return KVCache.allocate(c.num_layers, batch, c.num_kv_heads, c.head_dim, max_len,
-                                starts, p.dtype, p.device)
+                                starts, kv_dtype(self, p.dtype), p.device)
 
     def num_params(self) -> int:
         """Parameters of the whole model, counted once (a tied embedding is one tensor);

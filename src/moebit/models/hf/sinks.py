@@ -81,6 +81,7 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     f = cache.filled
     base = cache.mask_for(t)  # padding and causality (None: plain causal)
     keys, values = cache.update(layer, k, v)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a float16 cache (set_kv_dtype)
     lo = max(0, f - window + 1) if window else 0  # keys before the first query's window
     q_cols = torch.arange(f, f + t, device=dev)
     k_cols = torch.arange(lo, f + t, device=dev)
