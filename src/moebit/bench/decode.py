@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from moebit.bench import decode_floor as fl
+from moebit.cli.args import add_kv_cache_flag
 from moebit.comm._native import cpu_model, select_isa
 from moebit.inference import fused_decode
 from moebit.inference.generate import generate_tokens
@@ -332,8 +333,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth-mb", type=int, default=1024,
                     help="buffer of the read-bandwidth measurement (MB)")
-    ap.add_argument("--kv-cache", choices=("float32", "float16"), default=None,
-                    help="moebit's key/value cache (default float32; llama.cpp's is float16)")
+    add_kv_cache_flag(ap)  # llama.cpp's cache is float16
     ap.add_argument("--peer", choices=("none", "llamacpp"), default="none")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--modules", action="store_true",

@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Iterable
 
+from moebit.models.kv_cache import KV_CACHE_DTYPES
 from moebit.training.config import flat_fields
 
 
@@ -45,7 +46,7 @@ def add_config_flags(ap: argparse.ArgumentParser, skip: Iterable[str] = ()) -> N
 
 def add_kv_cache_flag(ap: argparse.ArgumentParser) -> None:
     """``--kv-cache`` of ``generate`` and ``serve`` (``models.kv_cache.set_kv_dtype``)."""
-    ap.add_argument("--kv-cache", choices=("float32", "float16"), default=None,
+    ap.add_argument("--kv-cache", choices=tuple(KV_CACHE_DTYPES), default=None,
                     help="dtype of the cached keys and values (default: the weights'); "
                          "float16 halves what a decode step reads from the cache "
                          "(llama.cpp's default), the arithmetic stays float32")
