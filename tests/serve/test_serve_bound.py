@@ -15,15 +15,20 @@ def test_steps_that_cost_the_same_at_any_rows_give_the_schedules_step_ratio() ->
     # static: two batches of 2, each 3 steps; continuous with 2 slots: 5 steps
     r = decode_bound([1, 3, 1, 3], batch=2, slots=2, costs={1: 1.0, 2: 1.0})
     assert (r["static_ms"], r["continuous_ms"]) == (6.0, 5.0)
-    assert r["bound"] == r["uniform_bound"] == 1.2
+    assert r["bound"] == r["bound_vs_live"] == r["uniform_bound"] == 1.2
 
 
-def test_steps_that_cost_their_rows_leave_nothing_to_gain() -> None:
-    """A step priced per live row: both schedules pay once per token generated."""
+def test_steps_that_cost_their_rows_leave_nothing_to_gain_over_dropping_finished_rows() -> None:
+    """A step priced per row: continuous batching and a static batcher that drops its
+    finished rows both pay once per token generated; the static batcher that computes
+    every row to the batch's longest pays for the idle rows too."""
     budgets = [8, 16, 32, 64, 128, 8, 128, 32, 16, 64] * 4
     r = decode_bound(budgets, batch=8, slots=8, costs={1: 0.5, 2: 1.0, 4: 2.0, 8: 4.0})
-    assert r["static_ms"] == r["continuous_ms"] == pytest.approx(0.5 * sum(budgets))
-    assert r["bound"] == 1.0 and r["uniform_bound"] > 2.0
+    assert r["static_live_ms"] == r["continuous_ms"] == pytest.approx(0.5 * sum(budgets))
+    assert r["bound_vs_live"] == 1.0 and r["uniform_bound"] > 2.0
+    longest = sum(max(budgets[i:i + 8]) for i in range(0, len(budgets), 8))
+    assert r["static_ms"] == pytest.approx(4.0 * longest)
+    assert r["bound"] == round(4.0 * longest / (0.5 * sum(budgets)), 3) > 2.0
 
 
 def test_costs_between_and_beyond_the_measured_rows_follow_the_segments() -> None:

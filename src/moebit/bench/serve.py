@@ -20,7 +20,9 @@ go to the server as they are (``--engine legacy``: the engine before ragged batc
 
 Beside the measured ratio, each client level gets ``decode_bound`` (``serve_bound``): the
 most continuous batching could gain over static batching on this machine, replayed from
-the baseline model's decode step times at 1, 2, 4, ... rows (``step_ms_by_rows``).
+the baseline model's decode step times at 1, 2, 4, ... rows (``step_ms_by_rows``):
+``bound`` against the baseline as measured (every row of a batch computed to its
+longest request), ``bound_vs_live`` against a static batcher that drops finished rows.
 
 ``--hf`` (a random Mixtral built by transformers) or ``--run HF_DIR``: the server serves a
 Hugging Face folder, and transformers' ``generate`` on the same weights and prompts is a
