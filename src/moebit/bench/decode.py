@@ -50,14 +50,13 @@ from typing import Any
 import torch
 
 from moebit.bench import decode_floor as fl
-from moebit.cli.args import add_kv_cache_flag
 from moebit.comm._native import cpu_model, select_isa
 from moebit.inference import fused_decode
 from moebit.inference.generate import generate_tokens
 from moebit.inference.quantize import quantize_experts_
 from moebit.inference.quantize_dense import quantize_dense_
 from moebit.models.hf import from_pretrained
-from moebit.models.kv_cache import set_kv_dtype
+from moebit.models.kv_cache import KV_CACHE_DTYPES, set_kv_dtype
 
 CONFIGS: dict[str, dict[str, int]] = {
     "e8": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
@@ -333,7 +332,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth-mb", type=int, default=1024,
                     help="buffer of the read-bandwidth measurement (MB)")
-    add_kv_cache_flag(ap)  # llama.cpp's cache is float16
+    ap.add_argument("--kv-cache", choices=tuple(KV_CACHE_DTYPES), default=None,
+                    help="moebit's key/value cache (default float32; llama.cpp's is float16)")
     ap.add_argument("--peer", choices=("none", "llamacpp"), default="none")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--modules", action="store_true",
