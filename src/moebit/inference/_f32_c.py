@@ -27,9 +27,6 @@ typedef __m512 f32v;
 #define F32_ROWS 2
 #define F32_W 8
 typedef __m256 f32v;
-#else
-#define F32_ROWS 1
-#define F32_W 16
 #endif
 
 #if defined(__AVX2__)

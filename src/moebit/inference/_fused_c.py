@@ -152,13 +152,12 @@ static void attend_group(const float *restrict q, const void *kb, const void *vb
     if (kvh) cols_fh((const uint16_t *)kb + t0 * dh, q, grp, n, dh, sc, 0, n);
     else cols_f((const float *)kb + t0 * dh, q, grp, n, dh, sc, 0, n);
     for (int64_t h = 0; h < grp; h++) {
-        float *restrict p = sc + h * n, mx = -INFINITY, den = 0.0f;
+        float *restrict p = sc + h * n, mx = -INFINITY;
         for (int64_t t = 0; t < n; t++) {
             p[t] *= scale;
             if (p[t] > mx) mx = p[t];
         }
-        den = exp_shifted(p, n, mx);
-        const float inv = 1.0f / den;
+        const float inv = 1.0f / exp_shifted(p, n, mx);
         float acc[4][dh];
         for (int u = 0; u < 4; u++)
             for (int64_t i = 0; i < dh; i++) acc[u][i] = 0.0f;

@@ -117,7 +117,7 @@ def prefill(model: torch.nn.Module, cache: KVCache,
         for group in _groups(prompts, t):
             _prefill_call(fused, cache, prompts, t, group, logits)
     for i, s in enumerate(cache.starts):  # padding: zeros, never stale memory, for the modules
-        for buf in (*cache.k, *cache.v):
+        for buf in (*cache.k, *cache.v) if s else ():
             buf[i, :, :s] = 0
     cache.advance(t)
     return logits

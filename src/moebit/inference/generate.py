@@ -169,8 +169,14 @@ class _BatchRun:
             if stopped or len(self.new[i]) >= self.budgets[i]:
                 self.live[i] = False
                 self.cache.finish(i)
-        last = [r[-1] if r else 0 for r in self.new]
-        self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
+        self._feed_last()
+
+    def _last(self) -> list[int]:
+        """Each row's newest token (0 for a row with none), the next step's input."""
+        return [r[-1] if r else 0 for r in self.new]
+
+    def _feed_last(self) -> None:
+        self.ids_BT = torch.tensor(self._last(), device=self.ids_BT.device)[:, None]
 
     def steps_natively(self) -> list[float] | None:
         """Up to ``CALL_STEPS`` steps in one native call (``fused_generate``), for greedy
@@ -180,8 +186,7 @@ class _BatchRun:
         if self.stop or not self.prefilled or self.stepwise:
             return None
         left = [b - len(n) for b, n in zip(self.budgets, self.new, strict=True)]
-        last = [r[-1] if r else 0 for r in self.new]
-        run = greedy_steps(self.model, self.cache, last, left, self.eos)
+        run = greedy_steps(self.model, self.cache, self._last(), left, self.eos)
         if run is None:
             self.stepwise = True
             return None
@@ -190,8 +195,7 @@ class _BatchRun:
             if toks and toks[-1] in self.eos:
                 self.reasons[i] = "stop"
         self.live = list(self.cache.live)
-        last = [r[-1] if r else 0 for r in self.new]
-        self.ids_BT = torch.tensor(last, device=self.ids_BT.device)[:, None]
+        self._feed_last()
         return run.step_s
 
 
